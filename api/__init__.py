@@ -1,0 +1,1 @@
+"""kiln's HTTP server and command line."""

@@ -1,0 +1,1 @@
+"""One module per model architecture, built from runtime/layers.py."""
