@@ -1,0 +1,84 @@
+"""Model and engine configuration: one dataclass per concern, validated where built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters, read from the GGUF's metadata."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int  # the context length the model was trained for
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # Gemma 3
+    rope_local_theta: float = 10000.0
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0  # every N-th layer is global; 0 = all global
+    final_logit_softcap: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_sliding_window(self, layer: int) -> int:
+        if not self.sliding_window or not self.sliding_window_pattern:
+            return 0
+        is_global = (layer + 1) % self.sliding_window_pattern == 0
+        return 0 if is_global else self.sliding_window
+
+
+def round_up_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs one model: context, chunking, KV budget, batching."""
+
+    ctx_len: int
+    prefill_chunk_len: int
+    kv_cache_tokens: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 0  # 0 = prefill_chunk_len + max_num_seqs
+    per_request_sampling: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
+
+    @staticmethod
+    def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,
+              prefill_chunk_len: int | None = None, kv_cache_tokens: int | None = None,
+              **kw) -> EngineConfig:
+        """Apply the contract's rules: --ctx-len is raised to 512 and capped at the model's;
+        --prefill-chunk-len is raised to 512 and rounded up to a power of two."""
+        ctx = min(max(ctx_len or model_ctx, 512), model_ctx)
+        chunk = round_up_pow2(max(prefill_chunk_len, 512)) if prefill_chunk_len else \
+            model_max_prefill
+        kv = kv_cache_tokens or max(4 * ctx, 16384)
+        return EngineConfig(ctx_len=ctx, prefill_chunk_len=chunk, kv_cache_tokens=kv, **kw)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.kv_cache_tokens // self.block_size)
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or self.prefill_chunk_len + self.max_num_seqs

@@ -1,0 +1,73 @@
+"""The layer library shared by every architecture: norms, RoPE, MLPs, linear, attention.
+
+On CPU, matrix products go through numpy's OpenBLAS, measured about twice as fast as
+torch's MKL for these shapes on the development machine (shared/perf-notes.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.kv_cache import store_kvcache, store_kvcache_ref
+from runtime.attention_metadata import AttentionMetadata
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, in], weight: [out, in] -> [T, out]."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.matmul(x.numpy(), weight.numpy().T))
+    return F.linear(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(var + eps) * weight
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+class RotaryEmbedding:
+    """NeoX-style rotation (rotate_half) over the full head; weights are stored in HF order."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, device, dtype):
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # cos/sin: [max_position, head_dim / 2]
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T]; x: [T, num_heads, head_dim] -> rotated copy."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def paged_attention_layer(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, kv_heads, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int,
+    use_triton: bool,
+) -> torch.Tensor:
+    """Store this step's K/V through the slot mapping, then attend over the paged cache."""
+    key_cache, value_cache = kv_cache
+    store = store_kvcache if use_triton else store_kvcache_ref
+    attend = paged_attention if use_triton else paged_attention_ref
+    store(k, v, key_cache, value_cache, meta.slot_mapping)
+    return attend(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                  meta.query_start_loc, scale, sliding_window=sliding_window)

@@ -1,0 +1,100 @@
+"""Llama (SmolLM2 and friends): RMSNorm, RoPE, GQA attention over the paged cache, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention_metadata import AttentionMetadata
+from runtime.config import ModelConfig
+from runtime.gguf_loader import GGUFFile
+from runtime.layers import RotaryEmbedding, linear, paged_attention_layer, rms_norm, silu_and_mul
+
+
+def read_config(gf: GGUFFile) -> ModelConfig:
+    num_heads = int(gf.arch_field("attention.head_count"))
+    hidden = int(gf.arch_field("embedding_length"))
+    vocab = gf.arch_field("vocab_size") or len(gf.field("tokenizer.ggml.tokens"))
+    tensor_names = {t.name for t in gf.reader.tensors}
+    return ModelConfig(
+        arch="llama",
+        num_layers=int(gf.arch_field("block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(gf.arch_field("feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(gf.arch_field("attention.head_count_kv", num_heads)),
+        head_dim=int(gf.arch_field("rope.dimension_count", hidden // num_heads)),
+        vocab_size=int(vocab),
+        max_position=int(gf.arch_field("context_length")),
+        rope_theta=float(gf.arch_field("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gf.arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the q/k rows for its RoPE; undo it (HF order)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
+                 use_triton: bool = False):
+        self.cfg, self.use_triton = cfg, use_triton
+
+        def w(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("token_embd.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("output.weight")
+        self.final_norm = w("output_norm.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            q = _unpermute_rope(tensors[p + "attn_q.weight"], cfg.num_heads)
+            k = _unpermute_rope(tensors[p + "attn_k.weight"], cfg.num_kv_heads)
+            v = tensors[p + "attn_v.weight"]
+            self.layers.append({
+                "attn_norm": w(p + "attn_norm.weight"),
+                # Q, K and V in one product: [q_size + 2 * kv_size, hidden]
+                "qkv": torch.cat([q, k, v]).to(device=device, dtype=dtype).contiguous(),
+                "o": w(p + "attn_output.weight"),
+                "ffn_norm": w(p + "ffn_norm.weight"),
+                "gate_up": torch.cat([tensors[p + "ffn_gate.weight"],
+                                      tensors[p + "ffn_up.weight"]])
+                .to(device=device, dtype=dtype).contiguous(),
+                "down": w(p + "ffn_down.weight"),
+            })
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device,
+                                    torch.float32)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        h = self.embed[input_ids]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = linear(x, layer["qkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.rope(positions, q.view(T, cfg.num_heads, cfg.head_dim)).to(h.dtype)
+            k = self.rope(positions, k.view(T, cfg.num_kv_heads, cfg.head_dim)).to(h.dtype)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention_layer(q, k, v, kv_cache, meta, cfg.attn_scale, 0,
+                                         self.use_triton)
+            h = h + linear(attn.reshape(T, self.q_size), layer["o"])
+            x = rms_norm(h, layer["ffn_norm"], cfg.rms_norm_eps)
+            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + linear(silu_and_mul(gate, up), layer["down"])
+        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
+        return linear(hidden, self.lm_head).float()
