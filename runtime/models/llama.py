@@ -98,3 +98,4 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
         return linear(hidden, self.lm_head).float()
+Model = LlamaModel
