@@ -80,9 +80,10 @@ def cmd_run(args) -> int:
                 t_first = time.perf_counter()
             for tok in out.new_token_ids:
                 if tok not in req.stop_token_ids:
-                    sys.stdout.write(detok.add(tok))
+                    sys.stdout.write(detok.feed(tok))
             sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write(detok.finish() + "\n")
+    sys.stdout.flush()
     t1 = time.perf_counter()
     n = req.num_output_tokens
     decode = (n - 1) / (t1 - t_first) if n > 1 and t_first else 0.0
