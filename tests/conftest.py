@@ -22,3 +22,42 @@ def smollm2_gguf() -> str:
     from runtime.pull import ensure_model
 
     return str(ensure_model("smollm2:135m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """The default model, loaded once per test session (CPU, fp32, torch references)."""
+    from runtime.model_loader import load_model
+
+    return load_model("smollm2:135m")
+
+
+@pytest.fixture
+def make_engine(smollm2):
+    """Build an LLMEngine on the shared model with a given KV budget and batch size."""
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+
+    def build(kv_cache_tokens: int = 16384, max_num_seqs: int = 64, ctx_len: int | None = None,
+              prefill_chunk_len: int | None = None, model=None):
+        m = model or smollm2
+        cfg = EngineConfig.build(m.ctx_len, m.max_prefill_len, ctx_len=ctx_len,
+                                 prefill_chunk_len=prefill_chunk_len,
+                                 kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        return LLMEngine(m, cfg)
+
+    return build
+
+
+def run_to_completion(engine, requests):
+    """Add the requests, step until all finish; returns {request_id: [token ids]}."""
+    for r in requests:
+        engine.add_request(r)
+    out = {r.request_id: [] for r in requests}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+        assert steps < 100000
+    return out

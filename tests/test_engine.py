@@ -1,0 +1,123 @@
+"""The engine with the real model: prefix cache, batching, preemption, context checks."""
+
+import pytest
+from conftest import run_to_completion
+
+from runtime.errors import ContextLengthError
+from runtime.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
+
+
+def _prompt(smollm2, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return smollm2.tokenizer.encode(smollm2.chat_template.render(msgs), add_special_tokens=False)
+
+
+def _pool_is_clean(engine) -> bool:
+    pool = engine.kv.block_pool
+    return pool.get_num_free_blocks() == pool.num_blocks and \
+        all(b.ref_cnt == 0 for b in pool.blocks) and not engine.kv.req_to_blocks
+
+
+def test_repeated_600_token_prefix_is_served_from_the_cache(smollm2, make_engine):
+    engine = make_engine(kv_cache_tokens=2048)
+    prefix = list(range(1000, 1600))  # 600 tokens
+    first = engine.make_request("a", prefix, GREEDY, max_tokens=8)
+    out_a = run_to_completion(engine, [first])["a"]
+    assert first.num_cached_tokens == 0
+    second = engine.make_request("b", prefix, GREEDY, max_tokens=8)
+    out_b = run_to_completion(engine, [second])["b"]
+    assert second.num_cached_tokens == 592  # 37 full blocks; the last token is recomputed
+    assert out_b == out_a
+    # Enough other traffic to evict it: the pool holds 128 blocks.
+    for i in range(3):
+        other = engine.make_request(f"o{i}", list(range(2000 + 700 * i, 2700 + 700 * i)),
+                                    GREEDY, max_tokens=2)
+        run_to_completion(engine, [other])
+    third = engine.make_request("c", prefix, GREEDY, max_tokens=8)
+    out_c = run_to_completion(engine, [third])["c"]
+    assert third.num_cached_tokens == 0
+    assert out_c == out_a
+    assert _pool_is_clean(engine)
+
+
+PROMPTS = ["What is the capital of France?", "Name a colour.", "Count to five.",
+           "Write a short poem about rain.", "What is 2 + 2?", "Say hello in Spanish.",
+           "Describe a cat in one sentence.", "What is the largest planet?"]
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(smollm2):
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+
+    cfg = EngineConfig.build(smollm2.ctx_len, smollm2.max_prefill_len, kv_cache_tokens=4096)
+    outs = {}
+    for i, text in enumerate(PROMPTS):
+        engine = LLMEngine(smollm2, cfg)
+        req = engine.make_request(f"r{i}", _prompt(smollm2, text), GREEDY, max_tokens=24)
+        outs[f"r{i}"] = run_to_completion(engine, [req])[f"r{i}"]
+    return outs
+
+
+def test_8_concurrent_greedy_requests_match_their_solo_runs(smollm2, make_engine, solo_outputs):
+    engine = make_engine(kv_cache_tokens=4096)
+    reqs = [engine.make_request(f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
+            for i, t in enumerate(PROMPTS)]
+    outs = run_to_completion(engine, reqs)
+    texts = {k: smollm2.tokenizer.decode(v) for k, v in outs.items()}
+    solo = {k: smollm2.tokenizer.decode(v) for k, v in solo_outputs.items()}
+    assert texts == solo
+    assert _pool_is_clean(engine)
+
+
+def test_exhausted_pool_preempts_and_queues_without_losing_a_request(
+        smollm2, make_engine, solo_outputs, caplog):
+    # 14 blocks (224 tokens) cannot hold 8 prompts of ~40 tokens growing by 24 each.
+    engine = make_engine(kv_cache_tokens=224)
+    reqs = [engine.make_request(f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
+            for i, t in enumerate(PROMPTS)]
+    with caplog.at_level("INFO", logger="kiln"):
+        outs = run_to_completion(engine, reqs)
+    assert any("Preempted" in r.getMessage() for r in caplog.records)
+    assert {k: smollm2.tokenizer.decode(v) for k, v in outs.items()} == \
+        {k: smollm2.tokenizer.decode(v) for k, v in solo_outputs.items()}
+    assert all(r.finish_reason in ("stop", "length") for r in reqs)
+    assert _pool_is_clean(engine)
+
+
+def test_prompt_as_long_as_the_context_is_rejected_before_prefill(make_engine):
+    engine = make_engine(ctx_len=512, kv_cache_tokens=1024)
+    with pytest.raises(ContextLengthError) as err:
+        engine.make_request("a", [5] * 512, GREEDY)
+    assert err.value.to_body() == {"error": {"message": "Max length reached!",
+                                             "type": "model_error", "param": None,
+                                             "code": 400}}
+    with pytest.raises(ContextLengthError):
+        engine.make_request("b", [5] * 500, GREEDY, max_tokens=13)
+    engine.make_request("c", [5] * 500, GREEDY, max_tokens=12)  # fits exactly
+    assert _pool_is_clean(engine)
+
+
+def test_generation_that_fills_the_context_stops_with_length(make_engine):
+    engine = make_engine(ctx_len=512, kv_cache_tokens=1024)
+    req = engine.make_request("a", [5] * 506, SamplingParams(temperature=0.0), ignore_eos=True)
+    out = run_to_completion(engine, [req])["a"]
+    assert len(out) == 6 and req.finish_reason == "length"
+    assert req.num_tokens == 512
+
+
+def test_abort_frees_the_request_blocks_between_steps(smollm2, make_engine):
+    engine = make_engine(kv_cache_tokens=2048, prefill_chunk_len=512)
+    req = engine.make_request("a", list(range(1000, 2200)), GREEDY, max_tokens=4)
+    engine.add_request(req)
+    engine.step()  # first 512-token chunk
+    assert req.num_computed_tokens == 512
+    out = engine.abort("a")
+    assert out.finish_reason == "abort" and not engine.has_unfinished()
+    assert _pool_is_clean(engine)
+    # Its full blocks stay cached for the next request with the same prefix.
+    again = engine.make_request("b", list(range(1000, 2200)), GREEDY, max_tokens=1)
+    run_to_completion(engine, [again])
+    assert again.num_cached_tokens == 512
