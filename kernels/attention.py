@@ -1,0 +1,310 @@
+"""Paged attention over the block-table KV cache: prefill chunks and decode in one launch.
+
+Every sequence has `num_computed_tokens` (context) catching up with its `seq_len`; this step
+brings `query_len` new tokens, whose K/V store_kvcache has already written. Query j of a
+sequence sits at absolute position `context_len + j` and attends causally over the cache.
+
+Sliding window (Gemma 3 / Hugging Face convention, transformers' `sliding_window_overlay`:
+`kv_idx > q_idx - sliding_window`): with W > 0 a query at position p sees keys at positions
+p - W < k <= p, i.e. the last W positions including itself.
+
+Determinism (why: a request must get the same bits whichever requests the scheduler batches
+it with and however it chunks its prompt, so seeded sampling is reproducible and a prefix
+cache hit equals recomputation). A query row's output depends only on its own sequence's
+cache and position:
+- each program owns BLOCK_Q query positions aligned to absolute positions, so a row always
+  sits in the same slot of the same-shaped tile, whoever its neighbours are;
+- it walks the KV cache in BLOCK_N tiles aligned to absolute positions 0, BLOCK_N,
+  2 * BLOCK_N ..., always in increasing order, so a row's partial sums are formed the same way;
+- a tile outside a row's causal window is an exact no-op for that row (P = 0 with alpha = 1,
+  or alpha = 0 on a still-empty row), so the extra tiles a program walks for its other rows
+  cannot perturb it;
+- block shapes depend only on the model (head_dim, GQA group), never on the batch, and there
+  is no split-K whose partitioning or reduction order would follow the batch.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq_idx(
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    q_block_idx,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest seq i whose first query tile `query_start_loc[i] // BLOCK_Q + 2 * i` <= q_block_idx.
+
+    Seq i spans at most query_len // BLOCK_Q + 2 position-aligned tiles, so reserving that
+    many grid slots per sequence needs no host sync to build the grid.
+    """
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + 2 * mid
+        if first_tile <= q_block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    qk_scale,  # float: softmax scale * log2(e)
+    sliding_window,  # int, used only when USE_SLIDING_WINDOW
+    num_seqs: tl.int32,  # annotated: never specialised to a constexpr (it seeds a loop var)
+    head_dim,
+    out_token_stride,
+    out_head_stride,
+    query_token_stride,
+    query_head_stride,
+    key_block_stride,
+    key_slot_stride,
+    key_head_stride,
+    value_block_stride,
+    value_slot_stride,
+    value_head_stride,
+    block_table_stride,
+    GROUP_SIZE: tl.constexpr,  # num_heads // num_kv_heads
+    BLOCK_Q: tl.constexpr,  # query positions per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * GROUP_SIZE, padded to a power of 2
+    BLOCK_N: tl.constexpr,  # key positions per inner tile
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    HEAD_DIM_PADDED: tl.constexpr,
+    USE_SLIDING_WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (see _dot_dtype)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, so fp32 is not silently tf32
+):
+    q_block_idx = tl.program_id(0).to(tl.int64)
+    kv_head_idx = tl.program_id(1).to(tl.int64)
+
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
+    context_len = seq_len - query_len
+
+    # This program's query tile covers absolute positions [tile_pos, tile_pos + BLOCK_Q).
+    tile_local = q_block_idx - (q_start // BLOCK_Q + 2 * seq_idx)
+    tile_pos = (context_len // BLOCK_Q + tile_local) * BLOCK_Q
+    if tile_pos >= seq_len:
+        return
+    first_pos = tl.maximum(tile_pos, context_len)
+    last_pos = tl.minimum(tile_pos + BLOCK_Q, seq_len) - 1
+
+    # Row m is query position tile_pos + m // GROUP_SIZE, head kv_head * GROUP_SIZE + m % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)  # [HEAD_DIM_PADDED]
+    q_pos = tile_pos + offs_m // GROUP_SIZE  # [BLOCK_M] absolute positions
+    head_idx = kv_head_idx * GROUP_SIZE + offs_m % GROUP_SIZE  # [BLOCK_M]
+    token_idx = q_start + q_pos - context_len  # [BLOCK_M] rows of query/out
+    row_mask = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_pos >= first_pos) & (q_pos <= last_pos)
+    d_mask = offs_d < head_dim
+
+    q_offs = token_idx[:, None] * query_token_stride + head_idx[:, None] * query_head_stride
+    Q = tl.load(query_ptr + q_offs + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    Q = Q.to(DOT_DTYPE)  # Q: [BLOCK_M, HEAD_DIM_PADDED]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+
+    kv_start = 0
+    if USE_SLIDING_WINDOW:
+        kv_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    kv_end = last_pos + 1
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute key positions
+        kv_mask = offs_n < kv_end  # [BLOCK_N]
+        physical_block = tl.load(block_tables_ptr + seq_idx * block_table_stride
+                                 + offs_n // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE  # [BLOCK_N]
+
+        k_offs = (physical_block[None, :] * key_block_stride + slot[None, :] * key_slot_stride
+                  + kv_head_idx * key_head_stride + offs_d[:, None])
+        K = tl.load(key_cache_ptr + k_offs, mask=kv_mask[None, :] & d_mask[:, None],
+                    other=0.0).to(DOT_DTYPE)  # K: [HEAD_DIM_PADDED, BLOCK_N]
+        S = tl.dot(Q, K, input_precision=DOT_PRECISION) * qk_scale  # S: [BLOCK_M, BLOCK_N]
+
+        causal = (offs_n[None, :] <= q_pos[:, None]) & kv_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        if USE_SLIDING_WINDOW:  # HF: kv_idx > q_idx - W, the last W positions incl. itself
+            causal = causal & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        S = tl.where(causal, S, float("-inf"))
+
+        # Online softmax. A row that has seen no key yet keeps m_i = -inf; subtracting 0
+        # instead keeps it NaN-free and leaves it exactly empty (alpha = 0, p = 0).
+        m_new = tl.maximum(m_i, tl.max(S, 1))  # [BLOCK_M]
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M]
+        P = tl.exp2(S - m_sub[:, None])  # P: [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(P, 1)
+
+        v_offs = (physical_block[:, None] * value_block_stride + slot[:, None] * value_slot_stride
+                  + kv_head_idx * value_head_stride + offs_d[None, :])
+        V = tl.load(value_cache_ptr + v_offs, mask=kv_mask[:, None] & d_mask[None, :],
+                    other=0.0)  # V: [BLOCK_N, HEAD_DIM_PADDED]
+        acc = acc * alpha[:, None]
+        P = P.to(V.dtype).to(DOT_DTYPE)  # round P to the cache dtype, as on tensor cores
+        acc = tl.dot(P, V.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only: every real row sees itself
+    acc = acc / l_i[:, None]
+    o_offs = token_idx[:, None] * out_token_stride + head_idx[:, None] * out_head_stride
+    tl.store(out_ptr + o_offs + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
+    """tl.dot operand dtype: the cache dtype, except bf16 under Triton's interpreter.
+
+    The interpreter (the only way Triton runs on CPU tensors) stores bf16 as uint16 and its
+    tl.dot multiplies the raw bit patterns (triton-lang/triton#11584, "not supported yet").
+    bf16 -> fp32 is exact, so an fp32 dot of the same bf16 values gives the tensor-core result.
+    """
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+def _tile_sizes(group_size: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N) from the model's shapes only, never from the batch."""
+    block_m = max(16, triton.next_power_of_2(group_size))
+    block_q = block_m // group_size
+    block_n = 64 if head_dim <= 128 else 32
+    return block_q, block_m, block_n
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    sliding_window: int = 0,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert value_cache.shape == key_cache.shape, "key_cache and value_cache shapes differ"
+    assert cache_head_dim == head_dim, f"head_dim {head_dim} != cache head_dim {cache_head_dim}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads}"
+    assert query.dtype in (torch.float32, torch.bfloat16, torch.float16), query.dtype
+    assert key_cache.dtype == value_cache.dtype == query.dtype, "query/cache dtypes differ"
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+        assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert query_start_loc.shape == (num_seqs + 1,)
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    assert query_start_loc.is_contiguous()
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert sliding_window >= 0
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group_size = num_heads // num_kv_heads
+    block_q, block_m, block_n = _tile_sizes(group_size, head_dim)
+    # Each sequence owns at most query_len // BLOCK_Q + 2 position-aligned query tiles.
+    grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
+    dot_dtype = _dot_dtype(query.dtype, query.device)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale * math.log2(math.e), sliding_window, num_seqs, head_dim,
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_SIZE=group_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        USE_SLIDING_WINDOW=sliding_window > 0,
+        # "tf32" is tl.dot's default and only affects fp32 operands, which always get "ieee".
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        num_warps=4,
+    )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    sliding_window: int = 0,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Plain torch, one sequence at a time: the CPU runtime's attention and the kernel's oracle.
+
+    Each sequence is computed on its own, so a row never depends on the other sequences of
+    the batch. It is not bitwise invariant to how a prompt is chunked: the matmul shapes and
+    softmax lengths change with the chunk (the Triton kernel is invariant).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    assert num_heads % num_kv_heads == 0 and key_cache.shape[3] == head_dim
+    assert value_cache.shape == key_cache.shape
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    starts = query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq_idx], starts[seq_idx + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        context_len = seq_len - query_len
+        # Keys before the first query's window are never needed.
+        kv_lo = max(0, context_len + 1 - sliding_window) if sliding_window > 0 else 0
+        first_block = kv_lo // block_size
+        blocks = block_tables[seq_idx, first_block:(seq_len + block_size - 1) // block_size]
+        lo, hi = kv_lo - first_block * block_size, seq_len - first_block * block_size
+        # Gather the sequence's blocks (one copy), then view them per KV head.
+        k = key_cache.index_select(0, blocks).flatten(0, 1)[lo:hi].transpose(0, 1)
+        v = value_cache.index_select(0, blocks).flatten(0, 1)[lo:hi].transpose(0, 1)
+        num_keys = hi - lo  # k, v: [num_kv_heads, num_keys, head_dim]
+
+        # GQA without repeating K/V: the group's query heads become extra rows of one KV head.
+        q = query[q_start:q_end].view(query_len, num_kv_heads, group_size, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * query_len, head_dim)
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2)).mul_(scale)
+        if query_len > 1:  # a single query sees every key kept above
+            q_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(kv_lo, seq_len, device=query.device)[None, :]
+            masked = k_pos > q_pos  # [query_len, num_keys]
+            if sliding_window > 0:
+                masked |= k_pos <= q_pos - sliding_window
+            scores.view(num_kv_heads, group_size, query_len, num_keys).masked_fill_(
+                masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [num_kv_heads, group * query_len, num_keys]
+        o = torch.bmm(probs, v.float())  # [num_kv_heads, group * query_len, head_dim]
+        out[q_start:q_end] = o.view(num_kv_heads, group_size, query_len, head_dim).permute(
+            2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+    return out
