@@ -15,6 +15,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V is stored
     max_query_len: int
     max_seq_len: int
+    # Batch-invariant numerics for this forward (EngineConfig.deterministic): every layer
+    # computes a token's row the same way whatever else is in the batch.
+    deterministic: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -62,6 +62,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
+    # Batch-invariant numerics: a request's tokens and logprobs do not depend on its
+    # neighbours in the batch or on the prefix cache (kiln serve --deterministic).
+    deterministic: bool = False
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

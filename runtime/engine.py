@@ -17,9 +17,11 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import torch
+import xgrammar as xgr
 
 from runtime.config import EngineConfig
 from runtime.errors import ContextLengthError
+from runtime.grammar import GrammarCompilerCache, GrammarState
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model_loader import LoadedModel
 from runtime.model_runner import ModelRunner
@@ -69,6 +71,8 @@ class LLMEngine:
         self.sampler = Sampler(torch.device(config.device), config.use_triton)
         self.requests: dict[str, Request] = {}
         self.reply_tails = ReplyTails()
+        self.grammars = GrammarCompilerCache(loaded.tokenizer,
+                                             vocab_size=loaded.config.vocab_size)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         ctx = self.config.ctx_len
@@ -80,18 +84,22 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, max_tokens: int | None = None,
                      stop_token_ids: frozenset[int] | None = None,
-                     num_top_logprobs: int | None = None, ignore_eos: bool = False) -> Request:
+                     num_top_logprobs: int | None = None, ignore_eos: bool = False,
+                     grammar: xgr.CompiledGrammar | None = None,
+                     grammar_prefix: str = "") -> Request:
         """Validate against the context; the prompt is never truncated."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.check_context(len(prompt_token_ids), max_tokens)
         room = self.config.ctx_len - len(prompt_token_ids)
+        state = GrammarState(grammar, grammar_prefix) if grammar is not None else None
         return Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
             max_tokens=min(max_tokens, room) if max_tokens is not None else room,
             stop_token_ids=stop_token_ids if stop_token_ids is not None
             else self.loaded.tokenizer.stop_token_ids,
-            num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos)
+            num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos and state is None,
+            grammar=state)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -131,7 +139,14 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             status = None
-            if token in req.stop_token_ids and not req.ignore_eos:
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask makes this impossible; finish rather than emit invalid output.
+                log.warning("[kiln]  Request %s sampled token %d outside its grammar",
+                            req.request_id, token)
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in req.stop_token_ids and not req.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.grammar is not None and req.grammar.is_terminated():
                 status = RequestStatus.FINISHED_STOPPED
             elif req.num_output_tokens >= req.max_tokens \
                     or req.num_tokens >= self.config.ctx_len:

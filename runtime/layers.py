@@ -13,12 +13,20 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.kv_cache import store_kvcache, store_kvcache_ref
 from runtime.attention_metadata import AttentionMetadata
+from runtime.cpu_attention import min_rows_for, padded_matmul, paged_attention_cpu
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, in], weight: [out, in] -> [T, out]."""
+def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+    """x: [T, in], weight: [out, in] -> [T, out].
+
+    deterministic: pad the rows so OpenBLAS computes each row the same way whatever the
+    batch (see runtime/cpu_attention.py), so a token's bits do not depend on its neighbours.
+    """
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(np.matmul(x.numpy(), weight.numpy().T))
+        w = weight.numpy().T
+        if deterministic:
+            return torch.from_numpy(padded_matmul(x.numpy(), w, min_rows_for(w.shape[1])))
+        return torch.from_numpy(np.matmul(x.numpy(), w))
     return F.linear(x, weight)
 
 
@@ -63,11 +71,17 @@ def paged_attention_layer(
     scale: float,
     sliding_window: int,
     use_triton: bool,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Store this step's K/V through the slot mapping, then attend over the paged cache."""
     key_cache, value_cache = kv_cache
     store = store_kvcache if use_triton else store_kvcache_ref
-    attend = paged_attention if use_triton else paged_attention_ref
     store(k, v, key_cache, value_cache, meta.slot_mapping)
-    return attend(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                  meta.query_start_loc, scale, sliding_window=sliding_window)
+    args = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale)
+    if use_triton:
+        return paged_attention(*args, sliding_window=sliding_window)
+    if q.dtype == torch.float32:
+        return paged_attention_cpu(*args, sliding_window=sliding_window,
+                                   deterministic=deterministic)
+    return paged_attention_ref(*args, sliding_window=sliding_window)

@@ -64,6 +64,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens),
+            deterministic=self.config.deterministic,
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -79,4 +80,4 @@ class ModelRunner:
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         if not inp.sampling_requests:
             return None
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        return self.model.compute_logits(hidden[inp.logits_indices], inp.meta.deterministic)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +67,7 @@ class Request:
     num_top_logprobs: int | None = None  # None = no logprobs
     ignore_eos: bool = False
     window_prefix: list[int] = field(default_factory=list)  # carried from a cached reply
+    grammar: GrammarState | None = None  # structured output; stepped by the engine thread
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -72,8 +77,6 @@ class Request:
     num_cached_tokens: int = -1  # set when first scheduled
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     first_token_time: float | None = None
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_emitted_tokens: int = 0
     num_prefill_chunks: int = 0
     prefill_plan: list[int] = field(default_factory=list)  # chunk sizes, for the log
 

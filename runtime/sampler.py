@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import SamplerOutput, SamplingMetadata, sample, sample_ref
+from runtime.grammar import build_grammar_bitmask
 from runtime.penalty_window import window_tokens
 from runtime.request import Request, TokenLogprob
 
@@ -21,7 +22,7 @@ class Sampler:
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
 
-    def build_metadata(self, requests: list[Request]) -> SamplingMetadata:
+    def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         rows = [r.sampling for r in requests]
         seeds, offsets, windows = [], [], []
         for r in requests:
@@ -61,12 +62,13 @@ class Sampler:
             window_token_ids=window_ids,
             seeds=col(seeds, torch.int64),
             offsets=col(offsets, torch.int64),
-            grammar_bitmask=None,
+            grammar_bitmask=build_grammar_bitmask([r.grammar for r in requests], vocab_size,
+                                                  self.device),
             num_top_logprobs=n_top,
         )
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        meta = self.build_metadata(requests)
+        meta = self.build_metadata(requests, logits.shape[-1])
         return (sample if self.use_triton else sample_ref)(logits, meta)
 
 

@@ -79,23 +79,24 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
         T = input_ids.shape[0]
+        det = meta.deterministic
         h = self.embed[input_ids]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = linear(x, layer["qkv"])
+            qkv = linear(x, layer["qkv"], det)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.rope(positions, q.view(T, cfg.num_heads, cfg.head_dim)).to(h.dtype)
             k = self.rope(positions, k.view(T, cfg.num_kv_heads, cfg.head_dim)).to(h.dtype)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention_layer(q, k, v, kv_cache, meta, cfg.attn_scale, 0,
-                                         self.use_triton)
-            h = h + linear(attn.reshape(T, self.q_size), layer["o"])
+                                         self.use_triton, det)
+            h = h + linear(attn.reshape(T, self.q_size), layer["o"], det)
             x = rms_norm(h, layer["ffn_norm"], cfg.rms_norm_eps)
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(silu_and_mul(gate, up), layer["down"])
+            gate, up = linear(x, layer["gate_up"], det).chunk(2, dim=-1)
+            h = h + linear(silu_and_mul(gate, up), layer["down"], det)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, deterministic).float()
 Model = LlamaModel
