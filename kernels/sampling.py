@@ -1,0 +1,539 @@
+"""Fused token sampling: penalties -> grammar mask -> top_k -> top_p / min_p -> temperature -> draw.
+
+One launch, one program per row, no sort. Passes over the row, BLOCK_V tokens at a time:
+raw log-sum-exp (+ the processed max); the penalty fix-up on the window's tokens; top-N raw
+logprobs (one argmax pass each); the top_k then top_p thresholds, each a pivot search over an
+order-preserving int32 key of the fp32 logits (a pass counts and weighs the tokens above
+NUM_PIVOTS pivots and shrinks the bracket ~17x: exact after at most 8 passes, any vocab);
+the draw. Ties: every token equal to the threshold is kept (top_k may keep more than k,
+top_p keeps the crossing token and its equals); argmax ties go to the lowest token id.
+
+The draw is the exponential race: token = argmax_j p_j / E_j, E_j = -log U_j, where U_j is
+Philox4x32-10 (`tl.rand`) with key `seed` and counter (token j, step): a row's token depends
+only on its own logits, seed and step. Greedy rows (temperature 0 or top_k 1) take the argmax
+of the penalised, masked logits and draw nothing. `sample_ref` is the same pipeline in torch
+(also the CPU sampler): the same Philox bit for bit, evaluated on surviving tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOP_LOGPROBS = 20
+KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int32 with the same order (-0.0 folded into +0.0), so thresholds are exact."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _uniform(seed, step, token_ids):
+    """U[0, 1) for (seed, step, token): Philox counter (token, step, 0, 0), key seed."""
+    return tl.rand(seed, (step << 32) | token_ids.to(tl.int64))
+
+
+@triton.jit
+def _allowed(bitmask_row_ptr, offs, in_vocab):
+    """xgrammar layout: bit j of word w allows token 32 * w + j."""
+    words = tl.load(bitmask_row_ptr + (offs >> 5), mask=in_vocab, other=0)
+    return ((words >> (offs & 31)) & 1) != 0
+
+
+@triton.jit
+def _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs, vocab_size,
+                    HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr):
+    """Logits after penalties and grammar mask; -inf for masked tokens and padding lanes."""
+    in_vocab = offs < vocab_size
+    if HAS_PENALTIES:  # written once by pass 0 and the window fix-up
+        x = tl.load(work_row_ptr + offs, mask=in_vocab, other=float("-inf"))
+    else:
+        x = tl.load(logits_row_ptr + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        if HAS_GRAMMAR:
+            x = tl.where(_allowed(bitmask_row_ptr, offs, in_vocab), x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _online_max_sum(x, m, s):
+    """Fold a block into a running max m and sum(exp(. - m)) s; safe while all are -inf."""
+    new_m = tl.maximum(m, tl.max(x))
+    safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+    return new_m, s * tl.exp(m - safe_m) + tl.sum(tl.exp(x - safe_m))
+
+
+@triton.jit
+def _processed_stats(x, start, best, best_idx, z, n_finite):
+    """Max, first argmax, mass sum(exp(x - max)) and finite count of the processed logits."""
+    best_idx = tl.where(tl.max(x) > best, start + tl.argmax(x, 0), best_idx)
+    best, z = _online_max_sum(x, best, z)
+    return best, best_idx, z, n_finite + tl.sum((x > float("-inf")).to(tl.int32))
+
+
+@triton.jit
+def _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
+                  lo, hi, lo_mass, k, target_mass, m,
+                  BY_COUNT: tl.constexpr, NEED_MASS: tl.constexpr,
+                  HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+                  BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Largest key t in [lo, hi) with count(key >= t) >= k (BY_COUNT) or mass >= target_mass.
+
+    Invariant: lo qualifies, hi does not; mass = sum exp(x - m). Also returns mass(key >= t).
+    """
+    steps = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1
+    while hi - lo > 1:
+        pivots = lo + ((hi - lo) * steps) // (NUM_PIVOTS + 1)  # [P] increasing, in (lo, hi)
+        pivots_i32 = pivots.to(tl.int32)  # keys span int32; only the midpoint math needs int64
+        counts = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
+        masses = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs, vocab_size,
+                                HAS_PENALTIES, HAS_GRAMMAR)  # x: [BLOCK_V]
+            above = _ordered_key(x)[:, None] >= pivots_i32[None, :]  # above: [BLOCK_V, P]
+            counts += tl.sum(above.to(tl.int32), axis=0)
+            if NEED_MASS:
+                masses += tl.sum(tl.where(above, tl.exp(x - m)[:, None], 0.0), axis=0)
+        ok = (counts >= k) if BY_COUNT else (masses >= target_mass)
+        new_lo = tl.max(tl.where(ok, pivots, lo))
+        lo_mass = tl.min(tl.where(ok, masses, lo_mass))
+        hi = tl.min(tl.where(ok, hi, pivots))
+        lo = new_lo
+    return lo, lo_mass
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,          # [B, V] fp32 / bf16 / fp16
+    logits_row_stride,
+    work_ptr,            # [B, V] fp32 scratch: processed logits (HAS_PENALTIES)
+    counts_ptr,          # [B, V] int32 scratch: window counts, touched at window tokens only
+    processed_ptr,       # [B, V] fp32 debug output: the logits the draw saw (WRITE_PROCESSED)
+    temperature_ptr,     # [B] fp32
+    top_k_ptr,           # [B] int32
+    top_p_ptr,           # [B] fp32
+    min_p_ptr,           # [B] fp32
+    rep_penalty_ptr,     # [B] fp32
+    freq_penalty_ptr,    # [B] fp32
+    pres_penalty_ptr,    # [B] fp32
+    window_ptr,          # [B, W] int64, -1 padded
+    window_row_stride,
+    window_len,
+    bitmask_ptr,         # [B, ceil(V / 32)] int32
+    bitmask_row_stride,
+    seeds_ptr,           # [B] int64
+    offsets_ptr,         # [B] int64
+    token_ids_ptr,       # [B] int64 out
+    logprobs_ptr,        # [B] fp32 out
+    top_ids_ptr,         # [B, NUM_TOP] int64 out
+    top_logprobs_ptr,    # [B, NUM_TOP] fp32 out
+    vocab_size,
+    NUM_TOP: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    ALL_GREEDY: tl.constexpr, WRITE_PROCESSED: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row_ptr = logits_ptr + row * logits_row_stride
+    work_row_ptr = work_ptr + row * vocab_size
+    counts_row_ptr = counts_ptr + row * vocab_size
+    bitmask_row_ptr = bitmask_ptr + row * bitmask_row_stride
+    NEG_INF: tl.constexpr = float("-inf")
+
+    # Pass 0: raw log-sum-exp for logprobs; processed max / argmax / mass (no penalties).
+    raw_m = tl.full([], NEG_INF, tl.float32)
+    raw_s = tl.zeros([], dtype=tl.float32)
+    best = tl.full([], NEG_INF, tl.float32)
+    best_idx = tl.zeros([], dtype=tl.int32)
+    n_finite = tl.zeros([], dtype=tl.int32)
+    z = tl.zeros([], dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        in_vocab = offs < vocab_size
+        x = tl.load(logits_row_ptr + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
+        raw_m, raw_s = _online_max_sum(x, raw_m, raw_s)
+        if HAS_GRAMMAR:
+            x = tl.where(_allowed(bitmask_row_ptr, offs, in_vocab), x, NEG_INF)
+        if HAS_PENALTIES:
+            tl.store(work_row_ptr + offs, x, mask=in_vocab)
+        else:
+            best, best_idx, z, n_finite = _processed_stats(x, start, best, best_idx, z, n_finite)
+    lse = raw_m + tl.log(raw_s)
+
+    if HAS_PENALTIES:
+        # Window fix-up: zero the counters of window tokens, count with atomics, then every
+        # occurrence writes the same penalised value (idempotent, so duplicates do not race).
+        rep = tl.load(rep_penalty_ptr + row)
+        freq = tl.load(freq_penalty_ptr + row)
+        pres = tl.load(pres_penalty_ptr + row)
+        for phase in tl.static_range(3):
+            tl.debug_barrier()
+            for w0 in range(0, window_len, BLOCK_W):
+                w_offs = w0 + tl.arange(0, BLOCK_W)
+                tok = tl.load(window_ptr + row * window_row_stride + w_offs,
+                              mask=w_offs < window_len, other=-1)  # tok: [BLOCK_W]
+                valid = (tok >= 0) & (tok < vocab_size)
+                if phase == 0:
+                    tl.store(counts_row_ptr + tok, tl.zeros_like(tok).to(tl.int32), mask=valid)
+                elif phase == 1:
+                    tl.atomic_add(counts_row_ptr + tok, tl.full(tok.shape, 1, tl.int32),
+                                  mask=valid)
+                else:
+                    c = tl.load(counts_row_ptr + tok, mask=valid, other=0, volatile=True)
+                    v = tl.load(logits_row_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+                    v = tl.where(v <= 0.0, v * rep, tl.math.div_rn(v, rep))
+                    v = v - (c.to(tl.float32) * freq + pres)
+                    if HAS_GRAMMAR:
+                        v = tl.where(_allowed(bitmask_row_ptr, tok, valid), v, NEG_INF)
+                    tl.store(work_row_ptr + tok, v, mask=valid)
+        tl.debug_barrier()
+        # Pass 1: processed max / argmax / mass over the penalised logits.
+        for start in range(0, vocab_size, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(work_row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+            best, best_idx, z, n_finite = _processed_stats(x, start, best, best_idx, z, n_finite)
+
+    # Top-N raw logprobs: N passes of argmax over the tokens ordered after the previous pick
+    # (descending value, ascending index).
+    top_ids_row_ptr = top_ids_ptr + row * NUM_TOP
+    top_lp_row_ptr = top_logprobs_ptr + row * NUM_TOP
+    prev_val = tl.full([], float("inf"), tl.float32)
+    prev_idx = tl.full([], -1, tl.int32)
+    for n in range(NUM_TOP):
+        n_val = tl.full([], NEG_INF, tl.float32)
+        n_idx = tl.zeros([], dtype=tl.int32)
+        for start in range(0, vocab_size, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            raw = tl.load(logits_row_ptr + offs, mask=offs < vocab_size, other=NEG_INF)
+            after = (raw < prev_val) | ((raw == prev_val) & (offs > prev_idx))
+            raw = tl.where(after, raw.to(tl.float32), NEG_INF)
+            blk_best = tl.max(raw)
+            n_idx = tl.where(blk_best > n_val, start + tl.argmax(raw, 0), n_idx)
+            n_val = tl.maximum(n_val, blk_best)
+        tl.store(top_ids_row_ptr + n, n_idx.to(tl.int64))
+        tl.store(top_lp_row_ptr + n, n_val - lse)
+        prev_val, prev_idx = n_val, n_idx
+
+    temperature = tl.load(temperature_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    token = best_idx
+    if ALL_GREEDY:
+        greedy = True
+    else:
+        greedy = (temperature == 0.0) | (top_k == 1)
+    if greedy:
+        if WRITE_PROCESSED:  # greedy rows: penalties + mask only
+            for start in range(0, vocab_size, BLOCK_V):
+                offs = start + tl.arange(0, BLOCK_V)
+                x = _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs,
+                                    vocab_size, HAS_PENALTIES, HAS_GRAMMAR)
+                tl.store(processed_ptr + row * vocab_size + offs, x, mask=offs < vocab_size)
+    else:
+        m = tl.where(best == NEG_INF, 0.0, best)
+        hi0 = _ordered_key(best).to(tl.int64) + 1
+        thr = tl.full([], KEY_NEG_INF, tl.int64)  # keep every finite token
+        if HAS_TOP_K:
+            lo = thr
+            hi = tl.where((top_k > 0) & (top_k < n_finite), hi0, lo + 1)
+            thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
+                                   lo, hi, z, top_k, 0.0, m, True, HAS_TOP_P,
+                                   HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
+        if HAS_TOP_P:
+            top_p = tl.load(top_p_ptr + row)
+            hi = tl.where(top_p < 1.0, hi0, thr + 1)
+            thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
+                                   thr, hi, z, 0, top_p * z, m, False, True,
+                                   HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
+        min_p = tl.load(min_p_ptr + row) if HAS_MIN_P else 0.0
+        seed, step = tl.load(seeds_ptr + row), tl.load(offsets_ptr + row)
+        # Final pass: survivors race with score p_j / E_j (p unnormalised: argmax ignores Z).
+        score_best = tl.full([], NEG_INF, tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs,
+                                vocab_size, HAS_PENALTIES, HAS_GRAMMAR)  # x: [BLOCK_V]
+            keep = (x > NEG_INF) & (_ordered_key(x) >= thr.to(tl.int32))
+            if HAS_MIN_P:  # p / p_max = exp(x - m)
+                keep = keep & (tl.exp(x - m) >= min_p)
+            e = -tl.log(_uniform(seed, step, offs))  # E: [BLOCK_V]
+            score = tl.where(keep, tl.exp(tl.math.div_rn(x - m, temperature)) / e, -1.0)
+            blk_best = tl.max(score)
+            token = tl.where(blk_best > score_best, start + tl.argmax(score, 0), token)
+            score_best = tl.maximum(score_best, blk_best)
+            if WRITE_PROCESSED:
+                tl.store(processed_ptr + row * vocab_size + offs,
+                         tl.where(keep, tl.math.div_rn(x, temperature), NEG_INF),
+                         mask=offs < vocab_size)
+
+    tl.store(token_ids_ptr + row, token.to(tl.int64))
+    raw_tok = tl.load(logits_row_ptr + token).to(tl.float32)
+    tl.store(logprobs_ptr + row, raw_tok - lse)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling settings, one row per sequence; tensors on the logits' device."""
+
+    temperature: torch.Tensor                # [B] float32; 0 = greedy
+    top_k: torch.Tensor                      # [B] int32; 0 (or >= vocab) = off; 1 = greedy
+    top_p: torch.Tensor                      # [B] float32 in (0, 1]; 1.0 = off
+    min_p: torch.Tensor                      # [B] float32 in [0, 1]; 0.0 = off
+    repetition_penalty: torch.Tensor         # [B] float32 > 0; 1.0 = off
+    frequency_penalty: torch.Tensor          # [B] float32
+    presence_penalty: torch.Tensor           # [B] float32
+    window_token_ids: torch.Tensor | None    # [B, W] int64, -1 padded; None = no penalties
+    seeds: torch.Tensor                      # [B] int64: the row's random stream
+    offsets: torch.Tensor                    # [B] int64: the row's step within it (< 2**32)
+    grammar_bitmask: torch.Tensor | None     # [B, ceil(V / 32)] int32; None = no grammar
+    num_top_logprobs: int = 0                # 0..20
+    # Batch-wide feature flags (kernel constexprs): a batch without a feature pays nothing.
+    has_penalties: bool = field(init=False)
+    has_grammar: bool = field(init=False)
+    has_top_k: bool = field(init=False)
+    has_top_p: bool = field(init=False)
+    has_min_p: bool = field(init=False)
+    all_greedy: bool = field(init=False)
+
+    def __post_init__(self):
+        if not 0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"num_top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
+                             f"got {self.num_top_logprobs}")
+        sampled = (self.temperature > 0) & (self.top_k != 1)
+        valid = ((self.temperature >= 0) & (self.top_k >= 0) & (self.top_p > 0)
+                 & (self.top_p <= 1) & (self.min_p >= 0) & (self.min_p <= 1)
+                 & (self.repetition_penalty > 0))
+        flags = torch.stack([  # one host sync for all flags
+            valid.all(), (sampled & (self.top_k > 1)).any(), (sampled & (self.top_p < 1)).any(),
+            (sampled & (self.min_p > 0)).any(), ~sampled.any(),
+        ]).tolist()
+        if not flags[0]:
+            raise ValueError("sampling settings out of range: need temperature >= 0, top_k >= 0, "
+                             "0 < top_p <= 1, 0 <= min_p <= 1, repetition_penalty > 0")
+        self.has_top_k, self.has_top_p, self.has_min_p, self.all_greedy = flags[1:]
+        self.has_penalties = self.window_token_ids is not None
+        self.has_grammar = self.grammar_bitmask is not None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor       # [B] int64
+    logprobs: torch.Tensor        # [B] float32: raw log_softmax(logits)[token]
+    top_token_ids: torch.Tensor   # [B, N] int64, descending logprob
+    top_logprobs: torch.Tensor    # [B, N] float32 raw log_softmax values
+    # [B, V] float32, return_processed=True only (tests): what the draw saw. Sampled rows: the
+    # filtered logits / temperature (-inf = cut); greedy rows: the penalised, masked logits.
+    processed_logits: torch.Tensor | None = None
+
+
+def _check_inputs(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    assert logits.ndim == 2 and logits.stride(1) == 1, "logits must be [B, V], unit column stride"
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), logits.dtype
+    B, V = logits.shape
+    for name, dtype in [("temperature", torch.float32), ("top_k", torch.int32),
+                        ("top_p", torch.float32), ("min_p", torch.float32),
+                        ("repetition_penalty", torch.float32), ("frequency_penalty", torch.float32),
+                        ("presence_penalty", torch.float32), ("seeds", torch.int64),
+                        ("offsets", torch.int64)]:
+        t = getattr(md, name)
+        assert t.shape == (B,) and t.dtype == dtype and t.is_contiguous(), (name, t.shape, t.dtype)
+        assert t.device == logits.device, (name, t.device)
+    if md.window_token_ids is not None:
+        w = md.window_token_ids
+        assert w.ndim == 2 and w.shape[0] == B and w.dtype == torch.int64 and w.stride(1) == 1
+    if md.grammar_bitmask is not None:
+        g = md.grammar_bitmask
+        assert g.shape == (B, triton.cdiv(V, 32)) and g.dtype == torch.int32 and g.stride(1) == 1
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: bool = False,
+           block_v: int | None = None, num_pivots: int = 16) -> SamplerOutput:
+    """Fused sampler: one launch, one program per row. See the module docstring."""
+    _check_inputs(logits, metadata)
+    md = metadata
+    B, V = logits.shape
+    N = md.num_top_logprobs
+    dev = logits.device
+    if block_v is None:
+        block_v = 1024 if logits.is_cuda else min(triton.next_power_of_2(V), 8192)
+    token_ids, top_ids = (torch.empty(B, *n, dtype=torch.int64, device=dev) for n in ((), (N,)))
+    logprobs, top_lps = (torch.empty(B, *n, dtype=torch.float32, device=dev) for n in ((), (N,)))
+    processed = torch.empty(B, V, dtype=torch.float32, device=dev) if return_processed else None
+    work, counts = logits, logits  # unused placeholders without penalties
+    if md.has_penalties:
+        work = torch.empty(B, V, dtype=torch.float32, device=dev)
+        counts = torch.empty(B, V, dtype=torch.int32, device=dev)
+    window = md.window_token_ids if md.has_penalties else md.seeds.view(B, 1)
+    bitmask = md.grammar_bitmask if md.has_grammar else md.top_k.view(B, 1)
+    W = window.shape[1] if md.has_penalties else 0
+    _sample_kernel[(B,)](
+        logits, logits.stride(0), work, counts, processed if return_processed else logits,
+        md.temperature, md.top_k, md.top_p, md.min_p,
+        md.repetition_penalty, md.frequency_penalty, md.presence_penalty,
+        window, window.stride(0), W, bitmask, bitmask.stride(0),
+        md.seeds, md.offsets, token_ids, logprobs, top_ids, top_lps, V,
+        NUM_TOP=N, HAS_PENALTIES=md.has_penalties, HAS_GRAMMAR=md.has_grammar,
+        HAS_TOP_K=md.has_top_k, HAS_TOP_P=md.has_top_p, HAS_MIN_P=md.has_min_p,
+        ALL_GREEDY=md.all_greedy, WRITE_PROCESSED=return_processed, BLOCK_V=block_v,
+        BLOCK_W=min(triton.next_power_of_2(max(W, 1)), 1024), NUM_PIVOTS=num_pivots,
+        num_warps=8,
+    )
+    return SamplerOutput(token_ids, logprobs, top_ids, top_lps, processed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch reference, also the CPU sampler: same semantics and the same random stream, with the
+# dense [B, V] work kept to a few passes and Philox run on surviving tokens only.
+
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+_PHILOX_CHUNK = 8192  # int64 temporaries stay in cache (and out of mmap'd allocations)
+
+
+def philox_uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor,
+                       token_ids: torch.Tensor) -> torch.Tensor:
+    """`_uniform` in torch, bit for bit: Philox4x32-10 word 0 mapped to [0, 1) as tl.rand does.
+
+    1-D int64 arguments of one length. uint32 lanes live in int64 lanes; a 32x32-bit product
+    wraps modulo 2**64 (two's complement), which leaves both 32-bit halves exact; the low half
+    is masked lazily, after the xor that consumes it.
+    """
+    out = torch.empty(token_ids.shape, dtype=torch.float32, device=token_ids.device)
+    for i in range(0, token_ids.numel(), _PHILOX_CHUNK):
+        chunk = slice(i, i + _PHILOX_CHUNK)
+        c0, c1 = token_ids[chunk] & _MASK32, offsets[chunk] & _MASK32
+        c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+        k0, k1 = seeds[chunk] & _MASK32, (seeds[chunk] >> 32) & _MASK32
+        for _ in range(10):
+            prod_b, prod_a = c2 * _PHILOX_ROUND_B, c0 * _PHILOX_ROUND_A
+            c0 = (prod_b >> 32).bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(_MASK32)
+            c2 = (prod_a >> 32).bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(_MASK32)
+            c1, c3 = prod_b, prod_a
+            k0 = (k0 + _PHILOX_KEY_A).bitwise_and_(_MASK32)
+            k1 = (k1 + _PHILOX_KEY_B).bitwise_and_(_MASK32)
+        x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the int32 bit pattern
+        x = torch.where(x < 0, -x - 1, x)             # ~x
+        out[chunk] = x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V / 32)] int32 xgrammar words -> [B, V] bool allowed (little-endian bytes)."""
+    bits = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    table = ((torch.arange(256, device=bitmask.device)[:, None] >> bits) & 1).bool()  # [256, 8]
+    return table[bitmask.view(torch.uint8).long()].flatten(1)[:, :vocab_size]
+
+
+def apply_penalties_ref_(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: the contract's formula for every token with count c > 0 in the row's window."""
+    B, V = x.shape
+    win = md.window_token_ids
+    rows, cols = ((win >= 0) & (win < V)).nonzero(as_tuple=True)
+    flat = rows * V + win[rows, cols]
+    _, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+    v, c = x.view(-1)[flat], counts[inverse].float()
+    rep = md.repetition_penalty[rows]
+    v = torch.where(v <= 0, v * rep, v / rep)
+    v = v - (c * md.frequency_penalty[rows] + md.presence_penalty[rows])
+    x.view(-1)[flat] = v  # repeated tokens write the same value
+    return x
+
+
+def _candidates_ref(x: torch.Tensor, m: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    md: SamplingMetadata):
+    """Per-row value threshold after top_k then top_p (-inf: keep every finite token; ties
+    at the threshold are kept), and the sorted candidates (values, ids) if they hold every
+    survivor. torch.topk, grown 8x at a time for top_p-only rows; never a sort under top_k.
+    """
+    R, V = x.shape
+    neg_inf = torch.full((R,), float("-inf"), device=x.device)
+    k_on = (top_k > 0) & (top_k < V) & md.has_top_k
+    p_on = (top_p < 1) & md.has_top_p
+    if not bool((k_on | p_on).any()):
+        return neg_inf, None
+    z_all = torch.exp(x - m[:, None]).sum(-1) if bool((p_on & ~k_on).any()) else None
+    n = min(V, max(int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0,
+                   1024 if z_all is not None else 0))
+    while True:
+        vals, ids = torch.topk(x, n, dim=-1)  # [R, n], descending
+        thr = torch.where(k_on, vals.gather(1, (top_k.long().clamp(1, n) - 1)[:, None])[:, 0],
+                          neg_inf)
+        in_k = (vals >= thr[:, None]) & (vals > float("-inf"))
+        n_in = in_k.sum(-1)
+        e = torch.where(in_k, torch.exp(vals - m[:, None]), 0.0)
+        z = e.sum(-1)
+        # The last candidate ties with the k-th value: tokens past the edge may tie too.
+        edge = k_on & p_on & (vals[:, -1] >= thr) & (vals[:, -1] > float("-inf")) & (n < V)
+        if bool(edge.any()):
+            n_extra = ((x >= thr[:, None]) & (x > float("-inf"))).sum(-1) - n_in
+            z = z + torch.where(edge, n_extra * torch.exp(thr - m), 0.0)
+        if z_all is not None:
+            z = torch.where(k_on, z, z_all)
+        # The first candidate whose running mass reaches top_p * z is the last one kept.
+        idx = (e.cumsum(-1) < (top_p * z)[:, None]).sum(-1)
+        thr_p = vals.gather(1, torch.minimum(idx, (n_in - 1).clamp(min=0))[:, None])[:, 0]
+        settled = k_on | ~p_on | ((idx < n_in) & (thr_p > vals[:, -1]))
+        if n == V or bool(settled.all()):
+            break
+        n = min(V, 8 * n)
+    thr = torch.where(p_on, torch.maximum(thr, thr_p), thr)
+    complete = (thr > vals[:, -1]) | (vals[:, -1] == float("-inf")) | (n == V)
+    return thr, (vals, ids) if bool(complete.all()) else None
+
+
+def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
+               return_processed: bool = False) -> SamplerOutput:
+    """Torch twin of `sample`: same filters, same thresholds, same Philox stream and race."""
+    _check_inputs(logits, metadata)
+    md = metadata
+    B, V = logits.shape
+    raw = logits.float()
+    logprobs_all = torch.log_softmax(raw, dim=-1)
+    x = raw
+    if md.has_penalties or md.has_grammar:
+        x = raw.clone() if raw.data_ptr() == logits.data_ptr() else raw  # x is ours to edit
+        if md.has_penalties:
+            apply_penalties_ref_(x, md)
+        if md.has_grammar:
+            x.masked_fill_(~unpack_bitmask(md.grammar_bitmask, V), float("-inf"))
+    m, token_ids = x.max(-1)
+    processed = x.clone() if return_processed else None
+    if not md.all_greedy:
+        rows = ((md.temperature > 0) & (md.top_k != 1)).nonzero()[:, 0]
+        xs, ms = (x, m) if rows.numel() == B else (x[rows], m[rows])  # [R, V], [R]
+        ms = torch.where(ms == float("-inf"), 0.0, ms)
+        thr, cand = _candidates_ref(xs, ms, md.top_k[rows], md.top_p[rows], md)
+        if cand is not None:  # survivors are a prefix-with-ties of the sorted candidates
+            vals, ids = cand
+            r, j = ((vals >= thr[:, None]) & (vals > float("-inf"))).nonzero(as_tuple=True)
+            c, xv = ids[r, j], vals[r, j]
+        else:
+            r, c = ((xs >= thr[:, None]) & (xs > float("-inf"))).nonzero(as_tuple=True)
+            xv = xs[r, c]
+        if md.has_min_p:  # p / p_max = exp(x - m)
+            kept = torch.exp(xv - ms[r]) >= md.min_p[rows][r]
+            r, c, xv = r[kept], c[kept], xv[kept]
+        # Exponential race: argmax p_j / E_j, ties to the lowest token id, as in the kernel.
+        row_ids = rows[r]
+        temp = md.temperature[row_ids]
+        e = -torch.log(philox_uniform_ref(md.seeds[row_ids], md.offsets[row_ids], c))
+        score = torch.exp((xv - ms[r]) / temp) / e
+        R = rows.numel()
+        best = torch.full((R,), -1.0, device=x.device).scatter_reduce(0, r, score, "amax")
+        first = torch.where(score == best[r], c, V)
+        tok = torch.full((R,), V, device=x.device).scatter_reduce(0, r, first, "amin")
+        token_ids[rows] = torch.where(tok == V, 0, tok)  # no survivor: token 0, as the kernel
+        if return_processed:
+            proc = torch.full((R, V), float("-inf"), device=x.device)
+            proc[r, c] = xv / temp
+            processed[rows] = proc
+    logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
+    top_logprobs, top_ids = torch.topk(logprobs_all, md.num_top_logprobs, dim=-1)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, processed)
