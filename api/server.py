@@ -38,10 +38,13 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         loaded = state.loaded
         data = []
         for tag, entry in CATALOGUE.items():
-            data.append(_model_card(tag, entry.defaults, entry.ctx_len,
-                                    loaded is not None and loaded.name == tag))
+            is_loaded = loaded is not None and loaded.name == tag
+            # The loaded model shows the context this server gives it (--ctx-len applied).
+            data.append(_model_card(tag, entry.defaults,
+                                    state.config.ctx_len if is_loaded else entry.ctx_len,
+                                    is_loaded))
         if loaded is not None and loaded.name not in CATALOGUE:
-            data.append(_model_card(loaded.name, loaded.defaults, loaded.ctx_len, True))
+            data.append(_model_card(loaded.name, loaded.defaults, state.config.ctx_len, True))
         return json({"object": "list", "data": data})
 
     @app.get("/health")

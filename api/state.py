@@ -45,9 +45,11 @@ class ServerState:
         self._switch = asyncio.Lock()
 
     def load(self, name: str) -> None:
-        """Load (or reload) a model; blocking: call it from a worker thread when serving."""
-        if self.engine is not None:
-            self.engine.shutdown()
+        """Load (or reload) a model; blocking: call it from a worker thread when serving.
+
+        The old engine is stopped only once the new model has loaded: a load that fails
+        (not a GGUF, a failed pull) leaves the server serving the model it had.
+        """
         cuda = torch.cuda.is_available()
         loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda)
         o = self.options
@@ -56,6 +58,8 @@ class ServerState:
             prefill_chunk_len=o.prefill_chunk_len, kv_cache_tokens=o.kv_cache_tokens,
             max_num_seqs=o.max_num_seqs, per_request_sampling=o.per_request_sampling,
             device="cuda" if cuda else "cpu", use_triton=cuda)
+        if self.engine is not None:
+            self.engine.shutdown()
         self.loaded, self.config = loaded, config
         self.engine = AsyncEngine(LLMEngine(loaded, config))
         self.settings = SamplingSettings(loaded.defaults, per_request=o.per_request_sampling)
@@ -71,10 +75,14 @@ class ServerState:
                 and lookup(self.loaded.name) is not None)
 
     async def ensure_model(self, name: str | None, reload: bool = False) -> None:
-        """Make `name` the loaded model, waiting for in-flight requests to finish first."""
-        if not reload and self.is_loaded(name):
+        """Make `name` the loaded model, waiting for in-flight requests to finish first.
+
+        A request that arrives while a switch is under way waits for it, so it is never
+        submitted to the engine being stopped.
+        """
+        if not reload and self.is_loaded(name) and not self._switch.locked():
             return
-        if lookup(name) is None and not Path(name).expanduser().is_file():
+        if name and lookup(name) is None and not Path(name).expanduser().is_file():
             raise ModelNotFoundError(name)
         async with self._switch:
             if not reload and self.is_loaded(name):
