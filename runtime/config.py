@@ -37,11 +37,13 @@ class ModelConfig:
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def layer_is_local(self, layer: int) -> bool:
+        """Gemma 3's local layers (all but every sliding_window_pattern-th): RoPE base
+        rope_local_theta, and attention over the last sliding_window positions if set."""
+        return bool(self.sliding_window_pattern) and (layer + 1) % self.sliding_window_pattern != 0
+
     def layer_sliding_window(self, layer: int) -> int:
-        if not self.sliding_window or not self.sliding_window_pattern:
-            return 0
-        is_global = (layer + 1) % self.sliding_window_pattern == 0
-        return 0 if is_global else self.sliding_window
+        return self.sliding_window if self.layer_is_local(layer) else 0
 
 
 def round_up_pow2(n: int) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "gemma3")
 _GGUF_MAGIC = b"GGUF"
 
 

@@ -13,13 +13,13 @@ from runtime.catalogue import CatalogueEntry, SamplingDefaults
 from runtime.chat_template import ChatTemplate
 from runtime.config import ModelConfig
 from runtime.gguf_loader import ModelLoadError, load_tensors, open_gguf
-from runtime.models import llama
+from runtime.models import gemma3, llama
 from runtime.pull import resolve_model
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln")
 
-ARCHITECTURES = {"llama": llama}
+ARCHITECTURES = {"llama": llama, "gemma3": gemma3}
 # A GGUF outside the catalogue samples with these until requests say otherwise.
 GENERIC_DEFAULTS = SamplingDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                     presence_penalty=0.0, frequency_penalty=0.0,

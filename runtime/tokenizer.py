@@ -2,9 +2,9 @@
 
 `GGUFVocab` reads llama.cpp's `tokenizer.ggml.*` keys; a builder per `tokenizer.ggml.model` turns
 them into a `tokenizers.Tokenizer` that encodes the way Hugging Face transformers does when it
-loads the same file with `gguf_file=` (tests/test_tokenizer.py holds us to that). Only "gpt2"
-(byte-level BPE) has a builder today; SentencePiece ("llama", with scores and byte fallback, for
-Gemma) is one more function returning a `BuiltVocab`, registered in `_BUILDERS`.
+loads the same file with `gguf_file=` (tests/test_tokenizer.py and tests/test_gemma3.py hold us
+to that). Two builders, registered in `_BUILDERS`: "gpt2" (byte-level BPE: SmolLM2, Llama 3,
+Qwen) and "llama" (SentencePiece pieces spelled with "▁", byte fallback: Gemma, Llama 2, Phi-3).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from functools import cache
 from os import PathLike
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 # llama.cpp's token types (gguf.TokenType).
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 
 # Tokens that end a chat turn in the common templates. Counted as stop tokens when the file has
 # them as control tokens, next to EOS and the file's own eot/eom ids.
@@ -57,12 +57,16 @@ class GGUFVocab:
     eom_token_id: int | None
     add_bos: bool
     add_eos: bool
+    arch: str = ""  # general.architecture: some SentencePiece vocabularies are built by arch
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_types) != len(self.tokens):
             raise ValueError(f"GGUF has {len(self.tokens)} tokens but "
                              f"{len(self.token_types)} token types")
-        for name in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id",
+                     "unk_token_id", "pad_token_id"):
             token_id = getattr(self, name)
             if token_id is not None and not 0 <= token_id < len(self.tokens):
                 raise ValueError(f"GGUF {name} {token_id} is outside the vocabulary "
@@ -90,6 +94,8 @@ class GGUFVocab:
             # A file without the flag: llama.cpp (and transformers) add BOS only for SentencePiece.
             add_bos=bool(model == "llama" if add_bos is None else add_bos),
             add_eos=bool(get("add_eos_token", False)),
+            arch=_field(reader, "general.architecture", ""),
+            unk_token_id=get("unknown_token_id"), pad_token_id=get("padding_token_id"),
         )
 
 
@@ -243,8 +249,83 @@ def build_byte_level(vocab: GGUFVocab) -> BuiltVocab:
                       special_ids=special_ids, vocab_type="BYTE_LEVEL", add_prefix_space=False)
 
 
+# SentencePiece files of these architectures follow Gemma's conventions (transformers'
+# GGUF_SENTENCEPIECE_BUILDERS); any other "llama" vocabulary is built like Llama 2's.
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
+
+
+def build_sentencepiece(vocab: GGUFVocab) -> BuiltVocab:
+    """SentencePiece ("llama"): pieces spell a space as "▁", the 256 "<0xXX>" pieces spell bytes
+    no piece covers (byte fallback), and the merge order comes from the vocabulary.
+
+    When the file lists no merges (Gemma's does not), they are rebuilt from the vocabulary as
+    transformers does: every way a piece splits into two pieces is a merge, ranked by the piece's
+    score. Gemma's scores do not follow its merge order, so for Gemma the rank is the piece's
+    position in the file, and its runs of spaces ("  ", stored as real spaces) are respelled
+    "▁▁" first. The result encodes like transformers' GemmaTokenizer / LlamaTokenizer (Phi-3:
+    its own variant) on the same file.
+    """
+    tokens = vocab.tokens
+    gemma, phi3 = vocab.arch in _GEMMA_ARCHS, vocab.arch == "phi3"
+    if gemma:
+        pieces = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {piece: -float(i) for i, piece in enumerate(pieces)}
+    else:
+        pieces = list(tokens)
+        scores = vocab.scores or [0.0] * len(pieces)
+        priority = dict(zip(pieces, map(float, scores), strict=True))
+    ids = {piece: i for i, piece in enumerate(pieces)}
+    merges = ([tuple(merge.split(" ")) for merge in vocab.merges] if vocab.merges
+              else _merges_from_vocab(ids, priority))
+    backend = Backend(BPE(vocab=ids, merges=merges, dropout=None, fuse_unk=True,
+                          byte_fallback=True, unk_token="<unk>" if gemma else None))
+    decode = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # no prefix space; every space is a "▁"
+        backend.normalizer = normalizers.Replace(" ", _SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif phi3:  # the prefix space comes from a normalizer, so "  hi" keeps both spaces
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
+                                                   normalizers.Replace(" ", _SPACE)])
+    else:  # Llama 2: "▁" before the first piece of the text only
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE,
+                                                         prepend_scheme="first", split=False)
+    if not gemma:
+        decode.append(decoders.Strip(" ", 1, 0))  # the prefix space is not part of the text
+    backend.decoder = decoders.Sequence(decode)
+    token_bytes = [_sentencepiece_bytes(piece, kind) for piece, kind in
+                   zip(pieces, vocab.token_types, strict=True)]
+    # Control tokens, and (as transformers registers them by name) the file's BOS, EOS, UNK and
+    # PAD even when typed otherwise: Llama 2's "<unk>" is an UNKNOWN token, yet special.
+    named = {vocab.bos_token_id, vocab.eos_token_id, vocab.unk_token_id, vocab.pad_token_id}
+    special_ids = [i for i, kind in enumerate(vocab.token_types) if kind == CONTROL or i in named]
+    return BuiltVocab(backend=backend, pieces=pieces, token_bytes=token_bytes,
+                      special_ids=special_ids, vocab_type="BYTE_FALLBACK",
+                      add_prefix_space=not gemma)
+
+
+def _merges_from_vocab(ids: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """transformers' `generate_merges`: each split of a piece into two pieces, best piece first;
+    ties go to the longer left part, then the longer right part, then file order."""
+    ranked = []
+    for piece, score in priority.items():
+        splits = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                  if piece[:k] in ids and piece[k:] in ids]
+        splits.sort(key=lambda m: (ids[m[0]], ids[m[1]]))
+        ranked.extend(splits)
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
+
+
+def _sentencepiece_bytes(piece: str, kind: int) -> bytes:
+    if kind == BYTE and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace(_SPACE, " ").encode("utf-8")
+
+
 _BUILDERS: dict[str, Callable[[GGUFVocab], BuiltVocab]] = {
     "gpt2": build_byte_level,
+    "llama": build_sentencepiece,
 }
 
 
@@ -272,3 +353,8 @@ def gguf_reader(source):
 
         return GGUFReader(source)
     return getattr(source, "reader", source)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()

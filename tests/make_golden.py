@@ -4,17 +4,20 @@ Loading transformers' GGUF model takes about a minute on the development machine
 to repeat in every CI run, so its outputs are stored in tests/golden/. Regenerate them after
 changing the prompts or the model:
 
-    .venv/bin/python tests/make_golden.py [path/to/model.gguf]
+    .venv/bin/python tests/make_golden.py [--model TAG] [path/to/model.gguf]
 
+TAG picks the prompt set (default smollm2:135m); the GGUF defaults to the tag's catalogue file.
 For each prompt (token ids from transformers' own tokenizer) it stores the last-position
-logits, and 32 greedy tokens with the raw log-softmax of each chosen token.
+logits, and greedy tokens with the raw log-softmax of each chosen token.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +35,38 @@ NUM_GREEDY = 32
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def main(gguf_path: str) -> None:
+def _long_notes(count: int = 42) -> str:
+    """~700 Gemma tokens of numbered notes, so a question about an early note reaches back
+    further than Gemma 3's 512-token sliding window."""
+    colours = ["red", "green", "blue", "yellow", "purple", "orange", "silver", "black"]
+    animals = ["fox", "owl", "otter", "heron", "badger", "lynx", "crane", "hare", "wolf"]
+    return "\n".join(f"Note {i}: the {colours[i % 8]} {animals[i * 5 % 9]} sleeps in room "
+                     f"{(i * 37) % 101}." for i in range(1, count + 1))
+
+
+LONG_PROMPT = [{"role": "user", "content": "Read these notes.\n" + _long_notes()
+                + "\nWhich animal sleeps in room 37, and what colour is it?"}]
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    prompts: list  # chat message lists
+    num_greedy: list[int]  # greedy tokens to store per prompt
+    chat_template: str | None = None  # None: the GGUF's own
+
+
+def golden_sets() -> dict[str, GoldenSet]:
+    from runtime.catalogue import GEMMA_CHAT_TEMPLATE
+
+    return {
+        "smollm2:135m": GoldenSet(PROMPTS, [NUM_GREEDY] * len(PROMPTS)),
+        # The GGUF carries no chat template: the catalogue's is rendered by transformers.
+        "gemma3:270m": GoldenSet(PROMPTS + [LONG_PROMPT], [16] * len(PROMPTS) + [8],
+                                 GEMMA_CHAT_TEMPLATE),
+    }
+
+
+def main(gguf_path: str, spec: GoldenSet) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, name = os.path.split(os.path.abspath(gguf_path))
@@ -41,15 +75,16 @@ def main(gguf_path: str) -> None:
     model.eval()
     stem = Path(name).stem
     cases, arrays = [], {}
-    for i, messages in enumerate(PROMPTS):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for i, (messages, num_greedy) in enumerate(zip(spec.prompts, spec.num_greedy, strict=True)):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       chat_template=spec.chat_template)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
         arrays[f"logits_{i}"] = logits.numpy()
         seq, greedy, logprobs = list(ids), [], []
         with torch.no_grad():
-            for _ in range(NUM_GREEDY):
+            for _ in range(num_greedy):
                 step = model(torch.tensor([seq])).logits[0, -1].float()
                 t = int(step.argmax())
                 logprobs.append(float(torch.log_softmax(step, -1)[t]))
@@ -64,11 +99,18 @@ def main(gguf_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        path = sys.argv[1]
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", default="smollm2:135m", help="catalogue tag: the prompt set")
+    parser.add_argument("gguf", nargs="?", help="GGUF path (default: the tag's, pulled)")
+    args = parser.parse_args()
+    sets = golden_sets()
+    if args.model not in sets:
+        parser.error(f"--model must be one of {', '.join(sets)}")
+    if args.gguf:
+        path = args.gguf
     else:
-        sys.path.insert(0, str(Path(__file__).parent.parent))
         from runtime.pull import ensure_model
 
-        path = str(ensure_model("smollm2:135m"))
-    main(path)
+        path = str(ensure_model(args.model))
+    main(path, sets[args.model])
