@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--per-request-sampling", action="store_true",
                        help="sampling settings do not stick: each request starts from the "
                             "model defaults")
+    serve.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant numerics: a seeded or greedy request gives the "
+                            "same bits alone, batched, or from the prefix cache")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

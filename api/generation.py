@@ -17,6 +17,7 @@ class Delta:
     reasoning: str = ""
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list = field(default_factory=list)  # api.tools.ToolCallDelta
 
 
 @dataclass
@@ -37,7 +38,8 @@ class OutputAssembler:
     def __init__(self, tokenizer: Tokenizer, *, stop: list[str] = (),
                  reasoning_tags: tuple[str, str] | None = None,
                  reasoning_start: ReasoningStart = ReasoningStart.OUTSIDE,
-                 hold_trailing_space: bool = False, logprobs_style: str | None = None):
+                 hold_trailing_space: bool = False, logprobs_style: str | None = None,
+                 tool_parser=None):
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self.stop = [s for s in stop if s]
@@ -46,6 +48,8 @@ class OutputAssembler:
             if reasoning_tags else None
         self.hold_trailing_space = hold_trailing_space
         self.logprobs_style = logprobs_style  # None, "chat" or "completions"
+        self.tool_parser = tool_parser  # api.tools.ToolCallParser: calls out of the content
+        self.called = False
         self.pending = ""  # text held back: it may be the start of a stop string
         self.held_space = ""
         self.stopped = False  # a stop string was found: the engine request must be aborted
@@ -76,6 +80,16 @@ class OutputAssembler:
             delta.finish_reason = out.finish_reason
         self.text += raw
         self._split(raw, delta, finished)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(delta.content)
+            if finished:
+                tail = self.tool_parser.finish()
+                parsed.content += tail.content
+                parsed.tool_calls += tail.tool_calls
+            delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
+            self.called |= bool(parsed.tool_calls)
+            if finished and self.called and delta.finish_reason == "stop":
+                delta.finish_reason = "tool_calls"
         if delta.reasoning and not delta.content:
             t.reasoning_tokens += len(out.new_token_ids)
         return delta

@@ -4,6 +4,7 @@ OutputAssembler -> response body or SSE chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,13 @@ from api.protocol import load_json_body, parse_chat_request, parse_completion_re
 from api.reasoning import ReasoningStart
 from api.responses import completion_logprobs, new_id, system_fingerprint, usage
 from api.state import ServerState
+from api.tools import (
+    plan_tools,
+    template_handles_tools,
+    tool_call_json,
+    tool_format_for,
+    tool_messages,
+)
 from runtime.chat_template import TemplateError
 from runtime.errors import InternalServerError, InvalidRequestError
 
@@ -37,7 +45,7 @@ class Generation:
                     raise InternalServerError(self.request_id, "The engine aborted the request.")
                 yield delta
                 if self.assembler.stopped:  # a stop string: the engine need not go on
-                    self.state.engine.abort(self.request_id)
+                    self.state.engine.abort(self.request_id, reason="stop string")
                     return
         finally:
             self.state.end()
@@ -57,13 +65,13 @@ def _think_kwargs(state: ServerState, sent) -> dict:
 
 
 def _submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int | None,
-            assembler: OutputAssembler) -> Generation:
+            assembler: OutputAssembler, **engine_kw) -> Generation:
     engine = state.engine
     engine.engine.check_context(len(ids), req.max_tokens)  # before settings change
     sampling = state.settings.admit(req.sampling)
     request_id = new_id(prefix)
     stream = engine.add_request(request_id, ids, sampling, max_tokens=req.max_tokens,
-                                num_top_logprobs=num_top)
+                                num_top_logprobs=num_top, **engine_kw)
     return Generation(request_id, stream, assembler, state)
 
 
@@ -71,9 +79,13 @@ async def chat_completions(request):
     state: ServerState = request.app.ctx.state
     req = parse_chat_request(load_json_body(request.body))
     await state.ensure_model(req.model)
-    loaded = state.loaded
+    loaded, engine = state.loaded, state.engine
+    plan = plan_tools(req, tool_format_for(loaded.name))
     messages = [m.to_template() for m in req.messages]
-    tools = [t.to_template() for t in req.tools] or None
+    if template_handles_tools(loaded.chat_template.template_str):
+        tools = [t.to_template() for t in plan.prompt_tools] or None
+    else:  # the template ignores tools: describe them in the system message ourselves
+        messages, tools = tool_messages(messages, plan.prompt_tools, plan.format), None
     kw = _think_kwargs(state, req.sampling)
     try:
         if req.continue_final_message:
@@ -87,6 +99,12 @@ async def chat_completions(request):
         raise InvalidRequestError(f"The chat template rejected the messages: {exc}",
                                   param="messages") from exc
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    grammar = None
+    if plan.grammar is not None:  # compiled off the event loop; a bad schema is a 400 here
+        grammar = await asyncio.get_running_loop().run_in_executor(
+            None, engine.engine.grammars.get, plan.grammar)
+        if state.engine is not engine:
+            raise InternalServerError(new_id("req"), "The model was switched meanwhile.")
     tags = loaded.reasoning_tags
     start = ReasoningStart.for_prompt(prompt, tags, continuing=req.continue_final_message,
                                       reasons_first=bool(kw.get("enable_thinking"))) \
@@ -94,9 +112,11 @@ async def chat_completions(request):
     assembler = OutputAssembler(
         loaded.tokenizer, stop=list(req.stop), reasoning_tags=tags, reasoning_start=start,
         hold_trailing_space=req.continue_final_message,
-        logprobs_style="chat" if req.logprobs else None)
+        logprobs_style="chat" if req.logprobs else None, tool_parser=plan.parser())
+    prefix = (req.messages[-1].content or "") if req.continue_final_message and grammar else ""
     gen = _submit(state, "chatcmpl", ids, req, assembler=assembler,
-                  num_top=req.top_logprobs if req.logprobs else None)
+                  num_top=req.top_logprobs if req.logprobs else None,
+                  grammar=grammar, grammar_prefix=prefix)
     created, model = int(time.time()), loaded.name
     if req.stream:
         return await _stream_chat(request, gen, req, created, model)
@@ -106,7 +126,11 @@ async def chat_completions(request):
         reasoning.append(d.reasoning)
         logprobs += d.logprobs
         finish = d.finish_reason or finish
-    message = {"role": "assistant", "content": "".join(content)}
+    text = "".join(content)
+    calls = assembler.tool_parser.tool_calls if assembler.tool_parser else []
+    message = {"role": "assistant", "content": text if (text or not calls) else None}
+    if calls:
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
     if "".join(reasoning):
         message["reasoning_content"] = "".join(reasoning)
     body = {
@@ -139,6 +163,8 @@ async def _stream_chat(request, gen: Generation, req, created: int, model: str):
                 yield chunk({"reasoning_content": d.reasoning})
             if d.content or lp:
                 yield chunk({"content": d.content}, logprobs=lp)
+            if d.tool_calls:
+                yield chunk({"tool_calls": [t.to_json() for t in d.tool_calls]})
             if d.finish_reason:
                 yield chunk({}, finish=d.finish_reason)
         if req.include_usage:

@@ -30,6 +30,7 @@ class ServeOptions:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 64
     per_request_sampling: bool = False
+    deterministic: bool = False
 
 
 class ServerState:
@@ -57,6 +58,7 @@ class ServerState:
             loaded.ctx_len, loaded.max_prefill_len, ctx_len=o.ctx_len,
             prefill_chunk_len=o.prefill_chunk_len, kv_cache_tokens=o.kv_cache_tokens,
             max_num_seqs=o.max_num_seqs, per_request_sampling=o.per_request_sampling,
+            deterministic=o.deterministic,
             device="cuda" if cuda else "cpu", use_triton=cuda)
         if self.engine is not None:
             self.engine.shutdown()

@@ -54,7 +54,8 @@ class ReplyTails:
         best_len = 0
         for seq, reply in self.entries.items():
             n = len(seq)
-            if best_len < n < len(prompt) and num_cached_tokens >= n - n % 16 \
+            # Its last token was sampled, never computed: its full blocks end before it.
+            if best_len < n < len(prompt) and num_cached_tokens >= (n - 1) // 16 * 16 \
                     and tuple(prompt[:n]) == seq:
                 best, best_len = reply, n
         return best
@@ -219,8 +220,8 @@ class AsyncEngine:
         self.inbox.put(("add", req))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "client gone") -> None:
+        self.inbox.put(("abort", (request_id, reason)))
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -232,11 +233,12 @@ class AsyncEngine:
             if kind == "add":
                 self.engine.add_request(arg)
             elif kind == "abort":
-                out = self.engine.abort(arg)
-                stream = self.streams.pop(arg, None)
+                request_id, reason = arg
+                out = self.engine.abort(request_id)
+                stream = self.streams.pop(request_id, None)
                 if out is not None:
-                    log.info("[kiln]  Aborted request %s (client gone) after %d tokens",
-                             arg, out.num_output_tokens)
+                    log.info("[kiln]  Aborted request %s (%s) after %d tokens",
+                             request_id, reason, out.num_output_tokens)
                     if stream is not None:
                         stream.put(out)
             elif kind == "call":

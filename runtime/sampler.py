@@ -53,7 +53,8 @@ class Sampler:
 
         return SamplingMetadata(
             temperature=col([p.temperature for p in rows], torch.float32),
-            top_k=col([p.top_k for p in rows], torch.int32),
+            # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
+            top_k=col([min(p.top_k, vocab_size) for p in rows], torch.int32),
             top_p=col([p.top_p for p in rows], torch.float32),
             min_p=col([p.min_p for p in rows], torch.float32),
             repetition_penalty=col([p.repetition_penalty for p in rows], torch.float32),

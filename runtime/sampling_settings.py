@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -99,6 +100,13 @@ def params_from_defaults(defaults: SamplingDefaults) -> SamplingParams:
     )
 
 
+def _f32(value: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
+
+
 def _finite(value: float) -> bool:
     try:
         return math.isfinite(value)
@@ -112,7 +120,10 @@ def _accepted(name: str, value: object, kept: object) -> bool:
         ok, rule = value in REASONING_EFFORTS, "must be one of " + ", ".join(REASONING_EFFORTS)
     elif name in RANGES:
         in_range, rule = RANGES[name]
-        ok = (name not in FLOAT_FIELDS or _finite(value)) and in_range(value)
+        # The sampler runs in float32: a value that overflows or underflows there is out of
+        # range too (1e300 -> inf, repetition_penalty 1e-300 -> 0).
+        ok = (name not in FLOAT_FIELDS or (_finite(value) and _finite(_f32(value))
+                                            and in_range(_f32(value)))) and in_range(value)
     else:
         return True
     if not ok:

@@ -1,0 +1,63 @@
+"""Reproducible to the bit (engine --deterministic on the CPU): the same seeded or greedy
+request gives the same token ids and the same logprob values (==) alone, beside 15 other
+requests, with its prompt prefix from the cache, and cold after a cache reset."""
+
+import pytest
+from conftest import run_to_completion
+
+from runtime.sampling_params import SamplingParams
+
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, min_p=0.0,
+                        repetition_penalty=1.1, presence_penalty=0.3, seed=1234)
+GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
+
+
+def _prompt(smollm2, text):
+    msgs = [{"role": "system", "content": "You are a storyteller. " * 12},
+            {"role": "user", "content": text}]
+    return smollm2.tokenizer.encode(smollm2.chat_template.render(msgs), add_special_tokens=False)
+
+
+def _run(engine, prompt, sampling, max_tokens, others=()):
+    target = engine.make_request("target", prompt, sampling, max_tokens=max_tokens,
+                                 num_top_logprobs=5)
+    reqs = [target] + list(others)
+    outs = {r.request_id: [] for r in reqs}
+    lps = []
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.request_id == "target":
+                lps += [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.new_logprobs]
+    return outs["target"], lps, target.num_cached_tokens
+
+
+def _others(engine, smollm2, n=15):
+    texts = ["Tell me about " + "rivers " * (i % 5 + 1) for i in range(n)]
+    return [engine.make_request(f"o{i}", _prompt(smollm2, t)[: 40 + 9 * i],
+                                SamplingParams(temperature=0.7, seed=i), max_tokens=5 + 3 * i)
+            for i, t in enumerate(texts)]
+
+
+@pytest.mark.parametrize("sampling,max_tokens", [(SEEDED, 32), (GREEDY, 200)],
+                         ids=["seeded-0.8", "greedy-200"])
+def test_same_bits_alone_batched_cached_and_cold(smollm2, make_engine, sampling, max_tokens):
+    prompt = _prompt(smollm2, "Invent a name for a pet dragon and tell its story.")
+    engine = make_engine(kv_cache_tokens=8192, deterministic=True)
+    alone = _run(engine, prompt, sampling, max_tokens)
+    assert engine.reset_prefix_cache()
+    batched = _run(engine, prompt, sampling, max_tokens, _others(engine, smollm2))
+    assert engine.reset_prefix_cache()
+    # Cache the prompt's prefix with another request first.
+    run_to_completion(engine, [engine.make_request("warm", prompt, GREEDY, max_tokens=1)])
+    cached = _run(engine, prompt, sampling, max_tokens)
+    assert cached[2] > 0 and alone[2] == 0
+    assert engine.reset_prefix_cache()
+    cold = _run(engine, prompt, sampling, max_tokens)
+    assert cold[2] == 0
+    assert len(alone[0]) > 0
+    assert batched[:2] == alone[:2]
+    assert cached[:2] == alone[:2]
+    assert cold[:2] == alone[:2]
