@@ -53,8 +53,9 @@ def _attend(
     rows_qk = min_rows_for(KV_TILE) if deterministic else 1
     rows_pv = min_rows_for(D) if deterministic else 1
     for start in range(0, keys.shape[2], KV_TILE):
-        k = np.ascontiguousarray(keys[:, :, start:start + KV_TILE].transpose(0, 1, 3, 2))
-        v = np.ascontiguousarray(values[:, :, start:start + KV_TILE])
+        # Strided views: numpy hands them to BLAS as transposed operands, without a copy.
+        k = keys[:, :, start:start + KV_TILE].swapaxes(-1, -2)  # [S, KVH, D, T]
+        v = values[:, :, start:start + KV_TILE]  # [S, KVH, T, D]
         s = padded_matmul(q, k, rows_qk)  # S: [S, KVH, M, KV_TILE]
         k_pos = (start + tile_pos)[None, None, :]  # [1, 1, T]
         masked = (k_pos > q_pos[..., None]) | (k_pos >= key_limit)  # [S, 1, M, T]
@@ -73,10 +74,16 @@ def _attend(
     return acc / np.where(l_i > 0, l_i, np.float32(1))
 
 
+def _take_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> np.ndarray:
+    """cache[block_ids] as numpy: [*block_ids.shape, block_size * KVH * D]. numpy's take is
+    about twice as fast as torch's indexing on one thread here."""
+    flat = cache.view(cache.shape[0], -1).numpy()
+    return np.take(flat, block_ids.numpy(), axis=0)
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int) -> np.ndarray:
     """[num_blocks, block_size, KVH, D] through block ids -> [KVH, num_keys, D] (zero padded)."""
-    blocks = cache[block_ids]  # [n, block_size, KVH, D]
-    flat = blocks.reshape(-1, cache.shape[2], cache.shape[3]).numpy()
+    flat = _take_blocks(cache, block_ids).reshape(-1, cache.shape[2], cache.shape[3])
     out = np.zeros((num_keys, cache.shape[2], cache.shape[3]), dtype=np.float32)
     n = min(num_keys, flat.shape[0])
     out[:n] = flat[:n]
@@ -118,8 +125,8 @@ def paged_attention_cpu(
         for r, i in enumerate(decode):
             nb = -(-lens[i] // block_size)
             ids[r, :nb] = block_tables[i, :nb]
-        keys = key_cache[ids].reshape(len(decode), num_keys, kvh, head_dim).numpy()
-        values = value_cache[ids].reshape(len(decode), num_keys, kvh, head_dim).numpy()
+        keys = _take_blocks(key_cache, ids).reshape(len(decode), num_keys, kvh, head_dim)
+        values = _take_blocks(value_cache, ids).reshape(len(decode), num_keys, kvh, head_dim)
         rows = [starts[i] for i in decode]
         q = q_all[rows].reshape(len(decode), kvh, group, head_dim)  # [S, KVH, G, D]
         pos = np.array([lens[i] - 1 for i in decode], dtype=np.int64)

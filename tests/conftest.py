@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# As `kiln serve` runs on the CPU: OpenBLAS threads do the products, torch keeps one thread.
+torch.set_num_threads(1)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -39,11 +40,12 @@ def make_engine(smollm2):
     from runtime.engine import LLMEngine
 
     def build(kv_cache_tokens: int = 16384, max_num_seqs: int = 64, ctx_len: int | None = None,
-              prefill_chunk_len: int | None = None, model=None):
+              prefill_chunk_len: int | None = None, model=None, deterministic: bool = False):
         m = model or smollm2
         cfg = EngineConfig.build(m.ctx_len, m.max_prefill_len, ctx_len=ctx_len,
                                  prefill_chunk_len=prefill_chunk_len,
-                                 kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+                                 kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                                 deterministic=deterministic)
         return LLMEngine(m, cfg)
 
     return build
