@@ -11,7 +11,7 @@
 #              MODEL (smollm2:135m)  CTX (4096)  THREADS (llama.cpp's n_threads; default the
 #              CPU count, which is what kiln uses)  LEVELS (short-prompt concurrency, 1,16,64)
 #              REQUESTS (per level; 0 = serve.py's default)  MAX_TOKENS (128)
-#              LONG_TOKENS (2000)  WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
+#              LONG_TOKENS (2000)  LONG_REQUESTS (REQUESTS)  WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
 #              LLAMA_CPP_NO_REPACK=1  load llama.cpp's weights without its extra buffer types
 #                            (AMX / AVX-512 repacking): only where that path crashes (a
 #                            segfault in llama_decode on the first request); it slows llama.cpp
@@ -32,6 +32,7 @@ REQUESTS=${REQUESTS:-0}
 MAX_TOKENS=${MAX_TOKENS:-128}
 LONG_TOKENS=${LONG_TOKENS:-2000}
 WARMUP=${WARMUP:-2}
+LONG_REQUESTS=${LONG_REQUESTS:-$REQUESTS}
 LLAMA_CPP_NO_REPACK=${LLAMA_CPP_NO_REPACK:-0}
 OUT=${OUT:-bench/results}
 START_TIMEOUT=${START_TIMEOUT:-600}
@@ -93,6 +94,7 @@ bench() {
     "$PY" bench/serve.py "${args[@]}" --prompts short --concurrency "$LEVELS" \
         --out "$OUT/$STAMP-$1-short.json" --chart "$WORK/$1-short.png" || STATUS=1
     "$PY" bench/serve.py "${args[@]}" --prompts long,shared-prefix --concurrency 1 \
+        --requests "$LONG_REQUESTS" \
         --long-tokens "$LONG_TOKENS" --out "$OUT/$STAMP-$1-long.json" \
         --chart "$WORK/$1-long.png" || STATUS=1
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then

