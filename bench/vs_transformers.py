@@ -79,12 +79,13 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     from runtime.pull import resolve_model
 
     path = str(resolve_model(args.model)[0])
     prompt = [(7 * i + 1000) % 40000 + 100 for i in range(args.prompt_tokens)]
+    torch.set_num_threads(1)  # as `kiln serve` runs: OpenBLAS on every core, one torch thread
     k = kiln_figures(path, prompt, args.decode_tokens)
+    torch.set_num_threads(args.threads)  # transformers' matrix products are torch's own
     h = transformers_figures(path, prompt, args.decode_tokens)
     print(f"{'figure':<16}{'kiln':>12}{'transformers':>14}{'ratio':>8}")
     for key in k:
