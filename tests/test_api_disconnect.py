@@ -68,7 +68,10 @@ def test_streaming_client_gone_mid_prefill_stops_the_request(server):
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            first = next(r.iter_lines())  # the role chunk is sent before the prefill
+            # Keep the line iterator alive: a discarded one is closed by the garbage
+            # collector, which closes the stream, i.e. the client leaves early.
+            lines = r.iter_lines()
+            first = next(lines)  # the role chunk is sent before the prefill
             assert first.startswith("data: ") and '"role": "assistant"' in first
             server.wait_for_log(r"Prefill chunk 1/\d+ with \d+ tokens", mark, timeout=120)
         # leaving the block closes the connection mid-prefill
