@@ -28,7 +28,6 @@ class Totals:
     cached_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
-    kv_occupancy: float = 0.0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -59,7 +58,7 @@ class OutputAssembler:
     def add(self, out: RequestOutput, now: float) -> Delta:
         t = self.totals
         t.prompt_tokens, t.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-        t.completion_tokens, t.kv_occupancy = out.num_output_tokens, out.kv_occupancy
+        t.completion_tokens = out.num_output_tokens
         t.arrival_time, t.first_token_time = out.arrival_time, out.first_token_time
         text = "".join(self.detok.feed(tok) for tok in out.new_token_ids
                        if not (out.finished and out.finish_reason == "stop"

@@ -166,7 +166,6 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
-            kv_occupancy=100.0 * self.kv.usage,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time)
 
     def reset_prefix_cache(self) -> bool:

@@ -52,7 +52,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    kv_occupancy: float  # percent of the KV pool's blocks in use
     first_token_time: float | None
     arrival_time: float
 
