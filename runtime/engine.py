@@ -38,8 +38,8 @@ class ReplyTails:
     continuing one of them while its blocks are still cached starts its penalty window with
     the end of that reply (contract: "Penalty window and conversations held in the cache")."""
 
-    def __init__(self, capacity: int = 256):
-        self.capacity = capacity
+    def __init__(self, block_size: int, capacity: int = 256):
+        self.block_size, self.capacity = block_size, capacity
         self.entries: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
 
     def record(self, req: Request) -> None:
@@ -55,7 +55,8 @@ class ReplyTails:
         for seq, reply in self.entries.items():
             n = len(seq)
             # Its last token was sampled, never computed: its full blocks end before it.
-            if best_len < n < len(prompt) and num_cached_tokens >= (n - 1) // 16 * 16 \
+            full = (n - 1) // self.block_size * self.block_size
+            if best_len < n < len(prompt) and num_cached_tokens >= full \
                     and tuple(prompt[:n]) == seq:
                 best, best_len = reply, n
         return best
@@ -71,7 +72,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, config, self.kv, dtype)
         self.sampler = Sampler(torch.device(config.device), config.use_triton)
         self.requests: dict[str, Request] = {}
-        self.reply_tails = ReplyTails()
+        self.reply_tails = ReplyTails(config.block_size)
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
 

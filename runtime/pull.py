@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,7 +100,3 @@ def _last_error_line(stderr: str) -> str:
              if ln.strip() and "is ignored" not in ln]
     errors = [ln for ln in lines if ln.startswith("ERROR")]
     return (errors or lines or [""])[-1]
-
-
-def remove_cached(entry: CatalogueEntry) -> None:
-    shutil.rmtree(model_path(entry), ignore_errors=True)
