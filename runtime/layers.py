@@ -13,7 +13,12 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.kv_cache import store_kvcache, store_kvcache_ref
 from runtime.attention_metadata import AttentionMetadata
-from runtime.cpu_attention import min_rows_for, padded_matmul, paged_attention_cpu
+from runtime.cpu_attention import (
+    CpuAttentionPlan,
+    min_rows_for,
+    padded_matmul,
+    paged_attention_cpu,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
@@ -31,8 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(var + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -54,12 +58,20 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions: [T]; x: [T, num_heads, head_dim] -> rotated copy."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, 1, D/2], looked up once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, num_heads, head_dim] -> rotated copy (fp32 if x is narrower)."""
+        cos, sin = cos_sin
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T]; x: [T, num_heads, head_dim] -> rotated copy."""
+        return self.rotate(x, self.cos_sin(positions))
 
 
 def paged_attention_layer(
@@ -75,13 +87,18 @@ def paged_attention_layer(
 ) -> torch.Tensor:
     """Store this step's K/V through the slot mapping, then attend over the paged cache."""
     key_cache, value_cache = kv_cache
-    store = store_kvcache if use_triton else store_kvcache_ref
-    store(k, v, key_cache, value_cache, meta.slot_mapping)
     args = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             scale)
     if use_triton:
+        store_kvcache(k, v, key_cache, value_cache, meta.slot_mapping)
         return paged_attention(*args, sliding_window=sliding_window)
-    if q.dtype == torch.float32:
-        return paged_attention_cpu(*args, sliding_window=sliding_window,
-                                   deterministic=deterministic)
-    return paged_attention_ref(*args, sliding_window=sliding_window)
+    if q.dtype != torch.float32:
+        store_kvcache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
+        return paged_attention_ref(*args, sliding_window=sliding_window)
+    if meta.cpu_plan is None:
+        meta.cpu_plan = CpuAttentionPlan.build(meta.block_tables, meta.seq_lens,
+                                               meta.query_start_loc, key_cache.shape[1],
+                                               deterministic, meta.slot_mapping)
+    meta.cpu_plan.store(k, v, key_cache, value_cache)
+    return paged_attention_cpu(*args, sliding_window=sliding_window,
+                               deterministic=deterministic, plan=meta.cpu_plan)

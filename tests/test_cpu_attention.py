@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import paged_attention_ref
-from runtime.cpu_attention import paged_attention_cpu
+from runtime.cpu_attention import CpuAttentionPlan, paged_attention_cpu
 
 NB, BS, KVH, D, H = 200, 16, 3, 64, 9
 
@@ -58,3 +58,26 @@ def test_deterministic_rows_do_not_depend_on_chunking_or_neighbours():
     assert torch.equal(_one(q[20:37], kc, vc, tables[0], 337), full[20:37])
     # A decode row alone equals the same row beside the others.
     assert torch.equal(_one(q[37:38], kc, vc, tables[1], 129)[0], full[37])
+
+
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("seq_len", [1, 16, 17, 337])
+def test_a_lone_decode_matches_the_reference(seq_len, consecutive, window):
+    # One stream's decode reads its keys in place when its blocks are consecutive in the
+    # cache, and through a gather when they are not: both must agree with the reference.
+    g = torch.Generator().manual_seed(seq_len)
+    kc, vc = torch.randn(NB, BS, KVH, D, generator=g), torch.randn(NB, BS, KVH, D, generator=g)
+    nb = -(-seq_len // BS)
+    blocks = torch.arange(5, 5 + nb) if consecutive else torch.randperm(NB, generator=g)[:nb]
+    table = torch.zeros(1, 40, dtype=torch.int32)
+    table[0, :nb] = blocks
+    plan = CpuAttentionPlan.build(table, torch.tensor([seq_len], dtype=torch.int32),
+                                  torch.tensor([0, 1], dtype=torch.int32), BS, False)
+    assert (plan.first_block_of_run is not None) == (consecutive or nb == 1)
+    q = torch.randn(1, H, D, generator=g)
+    args = (q, kc, vc, table, torch.tensor([seq_len], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 0.125)
+    ref = paged_attention_ref(*args, sliding_window=window)
+    got = paged_attention_cpu(*args, sliding_window=window, plan=plan)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)

@@ -136,16 +136,18 @@ class Gemma3Model:
         T = input_ids.shape[0]
         det = meta.deterministic
         h = self.embed[input_ids] * self.embed_scale
+        cos_sin_local = self.rope_local.cos_sin(positions)
+        cos_sin_global = self.rope_global.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             window = layer["sliding_window"]
-            rope = self.rope_local if layer["local"] else self.rope_global
+            cos_sin = cos_sin_local if layer["local"] else cos_sin_global
             x = self._norm(h, layer["attn_norm"])
             q, k, v = linear(x, layer["qkv"], det).split(
                 [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._norm(q.reshape(T, cfg.num_heads, cfg.head_dim), layer["q_norm"])
             k = self._norm(k.reshape(T, cfg.num_kv_heads, cfg.head_dim), layer["k_norm"])
-            q = rope(positions, q).to(h.dtype)
-            k = rope(positions, k).to(h.dtype)
+            q = RotaryEmbedding.rotate(q, cos_sin).to(h.dtype)
+            k = RotaryEmbedding.rotate(k, cos_sin).to(h.dtype)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention_layer(q, k, v, kv_cache, meta, cfg.attn_scale, window,
                                          self.use_triton, det)

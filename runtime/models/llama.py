@@ -81,13 +81,16 @@ class LlamaModel:
         T = input_ids.shape[0]
         det = meta.deterministic
         h = self.embed[input_ids]
+        cos_sin = self.rope.cos_sin(positions)
+        heads = cfg.num_heads + cfg.num_kv_heads
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
             qkv = linear(x, layer["qkv"], det)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rope(positions, q.view(T, cfg.num_heads, cfg.head_dim)).to(h.dtype)
-            k = self.rope(positions, k.view(T, cfg.num_kv_heads, cfg.head_dim)).to(h.dtype)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            # Q and K sit side by side in the product: rotate them as one tensor.
+            qk = self.rope.rotate(qkv[:, :self.q_size + self.kv_size].view(T, heads, -1),
+                                  cos_sin).to(h.dtype)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention_layer(q, k, v, kv_cache, meta, cfg.attn_scale, 0,
                                          self.use_triton, det)
             h = h + linear(attn.reshape(T, self.q_size), layer["o"], det)
