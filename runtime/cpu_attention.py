@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 KV_TILE = 128  # a multiple of the KV block size
+MAX_RUNS = 8  # a lone decode in more runs of consecutive blocks than this gathers its keys
 
 
 def padded_matmul(a: np.ndarray, b: np.ndarray, min_rows: int) -> np.ndarray:
@@ -102,12 +103,15 @@ class CpuAttentionPlan:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq]
     block_size: int
     deterministic: bool
-    # A lone decode sequence whose blocks are consecutive in the cache (the usual case for
-    # one stream): the first of them, so its keys are read in place, without a gather.
-    first_block_of_run: int | None = None
+    # A lone decode sequence's blocks as runs of consecutive block ids, each (first slot,
+    # first position, number of positions); None if they split into more than MAX_RUNS
+    # (then they are gathered).
+    # One stream usually has one or two (a cached system prompt, then its own blocks), and
+    # reads its keys in place, without a gather.
+    decode_runs: list[tuple[int, int, int]] | None = None
     slots: torch.Tensor | None = None  # [T'] int64, the slot mapping without its -1 entries
     kept_rows: torch.Tensor | None = None  # [T'] rows that store K/V; None = all of them
-    _masks: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)  # masks and cut runs, per sliding window
 
     @classmethod
     def build(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -125,11 +129,15 @@ class CpuAttentionPlan:
         for r, i in enumerate(decode):
             nb = -(-lens[i] // block_size)
             ids[r, :nb] = table[i, :nb]
-        first = None
+        runs = None
         if len(decode) == 1 and not deterministic:
-            nb = -(-lens[decode[0]] // block_size)
-            if (np.diff(ids[0, :nb]) == 1).all():
-                first = int(ids[0, 0])
+            L = lens[decode[0]]
+            blocks = ids[0, :-(-L // block_size)]
+            starts_ = [0, *(np.flatnonzero(np.diff(blocks) != 1) + 1).tolist()]
+            if len(starts_) <= MAX_RUNS:
+                ends = [*starts_[1:], len(blocks)]
+                runs = [(int(blocks[a]) * block_size, a * block_size,
+                         min(b * block_size, L) - a * block_size) for a, b in zip(starts_, ends)]
         slots = kept = None
         if slot_mapping is not None:
             keep = slot_mapping >= 0
@@ -140,7 +148,7 @@ class CpuAttentionPlan:
                 slots = slot_mapping[kept]
         return cls(starts, lens, decode, [starts[i] for i in decode], ids,
                    np.array([lens[i] - 1 for i in decode], dtype=np.int64), prefill,
-                   block_tables, block_size, deterministic, first, slots, kept)
+                   block_tables, block_size, deterministic, runs, slots, kept)
 
     def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor) -> None:
@@ -150,6 +158,20 @@ class CpuAttentionPlan:
             key, value = key[self.kept_rows], value[self.kept_rows]
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, self.slots, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, self.slots, value)
+
+    def visible_runs(self, sliding_window: int) -> list[tuple[int, int]]:
+        """The lone decode's runs cut to the keys its query sees: (first slot, slots)."""
+        key = ("runs", sliding_window)
+        if key not in self._masks:
+            q_pos = int(self.decode_pos[0])
+            lo = q_pos + 1 - sliding_window if sliding_window > 0 else 0
+            cut = []
+            for slot, pos, n in self.decode_runs:
+                a = max(pos, lo)
+                if a < pos + n:
+                    cut.append((slot + a - pos, pos + n - a))
+            self._masks[key] = cut
+        return self._masks[key]
 
     def decode_mask(self, sliding_window: int) -> np.ndarray:
         """[S, 1, 1, n * block_size] float32: 0 where a decode row sees the key, else -inf."""
@@ -192,16 +214,29 @@ def _decode_single_pass(
     return np.matmul(s, values.transpose(0, 2, 1, 3))
 
 
-def _decode_one(
+def _decode_runs(
     q: torch.Tensor,  # [KVH, G, D]
-    keys: torch.Tensor,  # [L, KVH, D]: exactly the keys the query sees
-    values: torch.Tensor,  # [L, KVH, D]
+    key_slots: torch.Tensor,  # [num_slots, KVH, D]: the cache, one row per slot
+    value_slots: torch.Tensor,
+    runs: list[tuple[int, int]],  # (first slot, number of slots): exactly the keys it sees
     scale: float,
 ) -> torch.Tensor:  # [KVH, G, D]
-    """One sequence's decode with torch's products, which beat numpy's for one query row at
-    long context (65 vs 141 us at 900 keys, measured); no mask, the keys are cut to fit."""
-    s = torch.matmul(q * scale, keys.permute(1, 2, 0))  # [KVH, G, L]
-    return torch.matmul(torch.softmax(s, dim=-1), values.permute(1, 0, 2))
+    """One sequence's decode over keys read in place, run by run, with torch's products,
+    which beat numpy's for one query row at long context (65 vs 141 us at 900 keys,
+    measured). Softmax does not care in which order it sees the keys, so the runs' scores
+    are simply joined."""
+    q = q * scale
+    keys = [key_slots[a:a + n].permute(1, 2, 0) for a, n in runs]  # [KVH, D, n]
+    values = [value_slots[a:a + n].permute(1, 0, 2) for a, n in runs]  # [KVH, n, D]
+    if len(runs) == 1:
+        return torch.matmul(torch.softmax(torch.matmul(q, keys[0]), dim=-1), values[0])
+    p = torch.softmax(torch.cat([torch.matmul(q, k) for k in keys], dim=-1), dim=-1)
+    out, at = None, 0
+    for (_, n), v in zip(runs, values):
+        o = torch.matmul(p[..., at:at + n], v)
+        out = o if out is None else out.add_(o)
+        at += n
+    return out
 
 
 def _gather(cache: torch.Tensor, block_ids: np.ndarray, num_keys: int) -> np.ndarray:
@@ -261,19 +296,19 @@ def paged_attention_cpu(
     starts, lens = plan.query_start_loc, plan.seq_lens
 
     if len(plan.decode_seqs) == 1 and not deterministic:
-        (i,), (row,) = plan.decode_seqs, plan.decode_rows
-        L = lens[i]
-        lo = max(0, L - sliding_window) if sliding_window > 0 else 0
-        if plan.first_block_of_run is not None:
-            base = plan.first_block_of_run * block_size
-            keys = key_cache.view(-1, kvh, head_dim)[base + lo:base + L]
-            values = value_cache.view(-1, kvh, head_dim)[base + lo:base + L]
-        else:
+        row = plan.decode_rows[0]
+        q = query[row].view(kvh, group, head_dim)
+        if plan.decode_runs is not None:
+            o = _decode_runs(q, key_cache.view(-1, kvh, head_dim),
+                             value_cache.view(-1, kvh, head_dim),
+                             plan.visible_runs(sliding_window), scale)
+        else:  # scattered blocks: gather them in order, then read them as one run
             ids = plan.decode_block_ids[0]
-            keys = torch.from_numpy(_take_blocks(key_cache, ids)).view(-1, kvh, head_dim)[lo:L]
-            values = torch.from_numpy(_take_blocks(value_cache, ids)).view(-1, kvh,
-                                                                          head_dim)[lo:L]
-        o = _decode_one(query[row].view(kvh, group, head_dim), keys, values, scale)
+            keys = torch.from_numpy(_take_blocks(key_cache, ids)).view(-1, kvh, head_dim)
+            values = torch.from_numpy(_take_blocks(value_cache, ids)).view(-1, kvh, head_dim)
+            L = lens[plan.decode_seqs[0]]
+            lo = max(0, L - sliding_window) if sliding_window > 0 else 0
+            o = _decode_runs(q, keys, values, [(lo, L - lo)], scale)
         out[row] = o.view(num_heads, head_dim)
     elif plan.decode_seqs:
         q_all = query.numpy() * np.float32(scale)  # a contiguous copy, even of a strided view

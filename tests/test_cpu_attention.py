@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import paged_attention_ref
-from runtime.cpu_attention import CpuAttentionPlan, paged_attention_cpu
+from runtime.cpu_attention import MAX_RUNS, CpuAttentionPlan, paged_attention_cpu
 
 NB, BS, KVH, D, H = 200, 16, 3, 64, 9
 
@@ -61,20 +61,28 @@ def test_deterministic_rows_do_not_depend_on_chunking_or_neighbours():
 
 
 @pytest.mark.parametrize("window", [0, 100])
-@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("layout", ["one run", "cached prefix", "scrambled"])
 @pytest.mark.parametrize("seq_len", [1, 16, 17, 337])
-def test_a_lone_decode_matches_the_reference(seq_len, consecutive, window):
-    # One stream's decode reads its keys in place when its blocks are consecutive in the
-    # cache, and through a gather when they are not: both must agree with the reference.
+def test_a_lone_decode_matches_the_reference(seq_len, layout, window):
+    # One stream's decode reads its keys in place, run by run of consecutive blocks (one
+    # run; a cached prefix then its own blocks), and through a gather when its blocks are
+    # scattered: each must agree with the reference.
     g = torch.Generator().manual_seed(seq_len)
     kc, vc = torch.randn(NB, BS, KVH, D, generator=g), torch.randn(NB, BS, KVH, D, generator=g)
     nb = -(-seq_len // BS)
-    blocks = torch.arange(5, 5 + nb) if consecutive else torch.randperm(NB, generator=g)[:nb]
+    blocks = {"one run": torch.arange(5, 5 + nb),
+              "cached prefix": torch.cat([torch.arange(0, 2), torch.arange(50, 50 + nb)])[:nb],
+              "scrambled": torch.randperm(NB, generator=g)[:nb]}[layout]
     table = torch.zeros(1, 40, dtype=torch.int32)
     table[0, :nb] = blocks
     plan = CpuAttentionPlan.build(table, torch.tensor([seq_len], dtype=torch.int32),
                                   torch.tensor([0, 1], dtype=torch.int32), BS, False)
-    assert (plan.first_block_of_run is not None) == (consecutive or nb == 1)
+    num_runs = {"one run": 1, "cached prefix": min(nb, 2) if nb > 2 else 1,
+                "scrambled": None}[layout]
+    if num_runs is None:
+        assert plan.decode_runs is None or nb <= MAX_RUNS
+    else:
+        assert len(plan.decode_runs) == num_runs
     q = torch.randn(1, H, D, generator=g)
     args = (q, kc, vc, table, torch.tensor([seq_len], dtype=torch.int32),
             torch.tensor([0, 1], dtype=torch.int32), 0.125)

@@ -1,0 +1,73 @@
+"""Time the engine's decode step at several batch sizes (no server, no HTTP).
+
+    .venv/bin/python bench/decode_step.py --batch 1,16,64 --context 300 --steps 32
+
+Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
+times `steps` decode steps of the whole batch. Threads are set as `kiln serve` sets them on
+the CPU (OpenBLAS on every core, torch on one). Compare two trees by running this file from
+each in the same session, alternating: the machine is shared, so only ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.engine import LLMEngine  # noqa: E402
+from runtime.model_loader import load_model  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2:135m")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    loaded = load_model(args.model)
+    batches = [int(b) for b in args.batch.split(",")]
+    config = EngineConfig.build(loaded.ctx_len, loaded.max_prefill_len,
+                                kv_cache_tokens=max(batches) * (args.context + args.steps + 32)
+                                * (args.repeat + 1),
+                                max_num_seqs=max(batches), deterministic=args.deterministic)
+    engine = LLMEngine(loaded, config)
+    vocab = loaded.config.vocab_size
+    n = 0
+    for batch in batches:
+        for round_ in range(args.repeat):
+            reqs = []
+            for _ in range(batch):
+                n += 1
+                prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500
+                          for i in range(args.context)]
+                reqs.append(engine.make_request(f"b{n}", prompt, SamplingParams(temperature=0.0),
+                                                max_tokens=args.steps + 1, ignore_eos=True))
+            for r in reqs:
+                engine.add_request(r)
+            while any(r.num_output_tokens == 0 for r in reqs):  # prefill
+                engine.step()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            dt = (time.perf_counter() - t0) / args.steps
+            while engine.has_unfinished():
+                engine.step()
+            print(f"[decode_step]  batch {batch:3d} round {round_}: {dt * 1e3:8.1f} ms/step, "
+                  f"{batch / dt:7.1f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
