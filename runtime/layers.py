@@ -1,7 +1,9 @@
 """The layer library shared by every architecture: norms, RoPE, MLPs, linear, attention.
 
-On CPU, matrix products go through numpy's OpenBLAS, measured about twice as fast as
-torch's MKL for these shapes on the development machine (shared/perf-notes.md).
+On CPU, matrix products go through numpy's OpenBLAS: measured about twice as fast as
+torch's MKL for these shapes on the AMD development machine (shared/perf-notes.md), and even
+with it at one row on the Intel one. Its threads and torch's must not both spin: torch keeps
+one thread (an OpenBLAS-2 + torch-2 decode step took 250 ms instead of 35).
 """
 
 from __future__ import annotations
@@ -35,8 +37,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -
     return F.linear(x, weight)
 
 
+def matmul_np(x: np.ndarray, weight_t: np.ndarray, deterministic: bool = False) -> np.ndarray:
+    """x: [T, in] @ weight_t: [in, out] (a transposed view of an [out, in] weight)."""
+    if deterministic:
+        return padded_matmul(x, weight_t, min_rows_for(weight_t.shape[1]))
+    return np.matmul(x, weight_t)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rms_norm_np(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
+    """rms_norm on numpy rows; each row is reduced on its own, whatever the batch."""
+    return x * (np.float32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.attention_metadata import AttentionMetadata
 from runtime.config import ModelConfig
 from runtime.gguf_loader import GGUFFile
-from runtime.layers import RotaryEmbedding, linear, paged_attention_layer, rms_norm, silu_and_mul
+from runtime.layers import (
+    RotaryEmbedding,
+    linear,
+    matmul_np,
+    paged_attention_layer,
+    rms_norm,
+    rms_norm_np,
+    silu_and_mul,
+)
 
 
 def read_config(gf: GGUFFile) -> ModelConfig:
@@ -69,6 +78,50 @@ class LlamaModel:
                                     torch.float32)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # The CPU fp32 forward runs on numpy views of the same weights (no copies).
+        self.numpy_forward = torch.device(device).type == "cpu" and dtype == torch.float32 \
+            and not use_triton
+        if self.numpy_forward:
+            for layer in self.layers:
+                layer["np"] = {name: (t.numpy().T if t.dim() == 2 else t.numpy())
+                               for name, t in layer.items()}
+
+    def _forward_numpy(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [T, hidden]
+        """`forward` with the residual stream in numpy between the attention calls: the
+        same products in fewer library calls per layer, each cheaper than torch's on tiny
+        tensors. Measured against `forward` (bench/decode_step.py, alternating, one
+        session): 38.0 vs 40.4 and 35.7 vs 37.7 ms a step at batch 1, 138 vs 154 and 141
+        vs 147 ms at batch 16."""
+        cfg = self.cfg
+        T, D, H, KVH = input_ids.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        det = meta.deterministic
+        eps, half = np.float32(cfg.rms_norm_eps), D // 2
+        h = self.embed.numpy()[input_ids.numpy()]
+        pos = positions.numpy()
+        cos, sin = self.rope.cos.numpy()[pos][:, None], self.rope.sin.numpy()[pos][:, None]
+        qk_size = self.q_size + self.kv_size
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            w = layer["np"]
+            qkv = matmul_np(rms_norm_np(h, w["attn_norm"], eps), w["qkv"], det)
+            qk = qkv[:, :qk_size].reshape(T, H + KVH, D)
+            x1, x2 = qk[..., :half], qk[..., half:]
+            qk = np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
+            v = np.ascontiguousarray(qkv[:, qk_size:]).reshape(T, KVH, D)
+            attn = paged_attention_layer(torch.from_numpy(qk[:, :H]), torch.from_numpy(qk[:, H:]),
+                                         torch.from_numpy(v), kv_cache, meta, cfg.attn_scale, 0,
+                                         False, det).numpy()
+            h = h + matmul_np(attn.reshape(T, self.q_size), w["o"], det)
+            gate_up = torch.from_numpy(
+                matmul_np(rms_norm_np(h, w["ffn_norm"], eps), w["gate_up"], det))
+            act = silu_and_mul(*gate_up.chunk(2, dim=-1)).numpy()
+            h = h + matmul_np(act, w["down"], det)
+        return torch.from_numpy(rms_norm_np(h, self.final_norm.numpy(), eps))
 
     def forward(
         self,
@@ -77,6 +130,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:  # [T, hidden]
+        if self.numpy_forward:
+            return self._forward_numpy(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
         T = input_ids.shape[0]
         det = meta.deterministic
