@@ -1,9 +1,11 @@
 """The layer library shared by every architecture: norms, RoPE, MLPs, linear, attention.
 
 On CPU, matrix products go through numpy's OpenBLAS: measured about twice as fast as
-torch's MKL for these shapes on the AMD development machine (shared/perf-notes.md), and even
-with it at one row on the Intel one. Its threads and torch's must not both spin: torch keeps
-one thread (an OpenBLAS-2 + torch-2 decode step took 250 ms instead of 35).
+torch's MKL for these shapes on an AMD development machine (shared/perf-notes.md). On the
+Intel one (AVX-512) they are even at one row, and MKL on torch's two threads with OpenBLAS on
+one took 65 instead of 92 ms a decode step at batch 4, 124 instead of 152 at batch 64
+(bench/README.md): a per-machine choice kiln does not make yet. The two pools must not both
+spin: torch keeps one thread (OpenBLAS 2 + torch 2 took 250 ms a step at batch 1, not 35).
 """
 
 from __future__ import annotations
