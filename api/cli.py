@@ -9,15 +9,19 @@ import time
 
 from runtime.catalogue import CATALOGUE, DEFAULT_MODEL
 
+CPU_BLAS_HELP = ("who does batched matrix products on the CPU: numpy's OpenBLAS or torch's "
+                 "MKL (auto: whichever measured faster at start-up; one row and "
+                 "--deterministic always use OpenBLAS)")
+
 
 def _configure_threads() -> None:
     import torch
 
     if torch.cuda.is_available():
         return
-    # On the CPU, OpenBLAS (through numpy) does the matrix products on every core. torch's
-    # own worker threads would spin against OpenBLAS's: one torch thread measured fastest
-    # (decode at batch 64: 453 ms a step against 859+ ms with two; bench/README.md).
+    # Until runtime/cpu_blas.py says otherwise, OpenBLAS (through numpy) does the matrix
+    # products on every core and torch keeps one thread: two pools spinning against each
+    # other took 250 ms a decode step instead of 35 (bench/README.md).
     torch.set_num_threads(1)
 
 
@@ -61,6 +65,10 @@ def cmd_run(args) -> int:
     except (PullError, ModelLoadError) as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 1
+    if not _cuda():
+        from runtime import cpu_blas
+
+        cpu_blas.configure(loaded.model, args.cpu_blas)
     engine = LLMEngine(loaded, _engine_config(loaded, args))
     settings = SamplingSettings(loaded.defaults)
     sampling = settings.admit(SamplingFields(temperature=args.temperature, seed=args.seed))
@@ -125,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
+    run.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"],
+                     help=CPU_BLAS_HELP)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -146,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--deterministic", action="store_true",
                        help="batch-invariant numerics: a seeded or greedy request gives the "
                             "same bits alone, batched, or from the prefix cache")
+    serve.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"],
+                       help=CPU_BLAS_HELP)
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

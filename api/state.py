@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from runtime import cpu_blas
 from runtime.catalogue import lookup
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine, LLMEngine
@@ -31,6 +32,7 @@ class ServeOptions:
     max_num_seqs: int = 64
     per_request_sampling: bool = False
     deterministic: bool = False
+    cpu_blas: str = "auto"  # runtime/cpu_blas.py: auto, openblas or mkl (for batches)
 
 
 class ServerState:
@@ -54,6 +56,8 @@ class ServerState:
         cuda = torch.cuda.is_available()
         loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda)
         o = self.options
+        if not cuda:
+            cpu_blas.configure(loaded.model, o.cpu_blas, o.deterministic)
         config = EngineConfig.build(
             loaded.ctx_len, loaded.max_prefill_len, ctx_len=o.ctx_len,
             prefill_chunk_len=o.prefill_chunk_len, kv_cache_tokens=o.kv_cache_tokens,

@@ -3,9 +3,10 @@
     .venv/bin/python bench/decode_step.py --batch 1,16,64 --context 300 --steps 32
 
 Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
-times `steps` decode steps of the whole batch. Threads are set as `kiln serve` sets them on
-the CPU (OpenBLAS on every core, torch on one). Compare two trees by running this file from
-each in the same session, alternating: the machine is shared, so only ratios mean anything.
+times `steps` decode steps of the whole batch. The CPU's products and threads are set as
+`kiln serve` sets them (`--cpu-blas`, runtime/cpu_blas.py). Compare two trees by running
+this file from each in the same session, alternating: the machine is shared, so only ratios
+mean anything.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from runtime import cpu_blas  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.model_loader import load_model  # noqa: E402
@@ -35,9 +37,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
+    ap.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model)
+    policy = cpu_blas.configure(loaded.model, args.cpu_blas, args.deterministic)
+    print(f"[decode_step]  CPU products for batches: {policy}", flush=True)
     batches = [int(b) for b in args.batch.split(",")]
     config = EngineConfig.build(loaded.ctx_len, loaded.max_prefill_len,
                                 kv_cache_tokens=max(batches) * (args.context + args.steps + 32)

@@ -83,7 +83,7 @@ def main() -> None:
 
     path = str(resolve_model(args.model)[0])
     prompt = [(7 * i + 1000) % 40000 + 100 for i in range(args.prompt_tokens)]
-    torch.set_num_threads(1)  # as `kiln serve` runs: OpenBLAS on every core, one torch thread
+    torch.set_num_threads(1)  # as `kiln serve` decodes one stream: OpenBLAS on every core
     k = kiln_figures(path, prompt, args.decode_tokens)
     torch.set_num_threads(args.threads)  # transformers' matrix products are torch's own
     h = transformers_figures(path, prompt, args.decode_tokens)

@@ -1,11 +1,7 @@
 """The layer library shared by every architecture: norms, RoPE, MLPs, linear, attention.
 
-On CPU, matrix products go through numpy's OpenBLAS: measured about twice as fast as
-torch's MKL for these shapes on an AMD development machine (shared/perf-notes.md). On the
-Intel one (AVX-512) they are even at one row, and MKL on torch's two threads with OpenBLAS on
-one took 65 instead of 92 ms a decode step at batch 4, 124 instead of 152 at batch 64
-(bench/README.md): a per-machine choice kiln does not make yet. The two pools must not both
-spin: torch keeps one thread (OpenBLAS 2 + torch 2 took 250 ms a step at batch 1, not 35).
+On CPU, matrix products go through numpy's OpenBLAS or, for batches, torch's MKL where that
+measured faster on this machine (runtime/cpu_blas.py); `--deterministic` uses OpenBLAS.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.kv_cache import store_kvcache, store_kvcache_ref
+from runtime import cpu_blas
 from runtime.attention_metadata import AttentionMetadata
 from runtime.cpu_attention import (
     CpuAttentionPlan,
@@ -35,15 +32,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -
         w = weight.numpy().T
         if deterministic:
             return torch.from_numpy(padded_matmul(x.numpy(), w, min_rows_for(w.shape[1])))
-        return torch.from_numpy(np.matmul(x.numpy(), w))
+        return torch.from_numpy(cpu_blas.matmul(x.numpy(), w))
     return F.linear(x, weight)
 
 
 def matmul_np(x: np.ndarray, weight_t: np.ndarray, deterministic: bool = False) -> np.ndarray:
     """x: [T, in] @ weight_t: [in, out] (a transposed view of an [out, in] weight)."""
-    if deterministic:
+    if deterministic:  # OpenBLAS's row-invariant gemm (runtime/cpu_blas.py never moves it)
         return padded_matmul(x, weight_t, min_rows_for(weight_t.shape[1]))
-    return np.matmul(x, weight_t)
+    return cpu_blas.matmul(x, weight_t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

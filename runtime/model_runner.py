@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import cpu_blas
 from runtime.attention_metadata import AttentionMetadata
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache_manager import KVCacheManager
@@ -77,6 +78,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [S', vocab] fp32 for the rows that sample, or None if none do."""
+        if self.device.type == "cpu":
+            cpu_blas.for_batch(inp.meta.num_seqs)
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         if not inp.sampling_requests:
             return None

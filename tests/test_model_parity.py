@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime import cpu_blas
 from runtime.attention_metadata import AttentionMetadata
 from runtime.gguf_loader import load_tensors, open_gguf
 from runtime.models.llama import LlamaModel, read_config
@@ -48,8 +49,18 @@ def _prefill(model, ids, num_blocks=64):
         return model.compute_logits(h[-1:])[0]
 
 
+@pytest.fixture(params=["openblas", "mkl"])
+def cpu_products(request):
+    """Each library runtime/cpu_blas.py may pick for a batch does the products."""
+    cpu_blas.set_policy(request.param)
+    cpu_blas.for_batch(2)
+    yield request.param
+    cpu_blas.set_policy("openblas")
+    torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("case", [0, 1, 2])
-def test_last_position_logits_match_transformers(model, golden, case):
+def test_last_position_logits_match_transformers(model, golden, case, cpu_products):
     cases, arrays = golden
     ref = torch.from_numpy(arrays[f"logits_{case}"])
     logits = _prefill(model, cases[case]["prompt_ids"])

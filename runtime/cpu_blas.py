@@ -1,0 +1,133 @@
+"""Who does the CPU's matrix products, numpy's OpenBLAS or torch's MKL, with the thread pools
+that go with each. Only one pool may spin at a time: both on every core took 250 ms a decode
+step instead of 35 on the development machine.
+
+Which is faster depends on the machine and the batch. OpenBLAS was twice as fast as MKL on an
+AMD EPYC (shared/perf-notes.md). On an Intel Xeon with AVX-512 they are even at one row and
+MKL is up to 1.5x faster at 4 to 64 rows; but with MKL's team on both cores a lone stream
+served through `kiln serve` fell from 27 to 17 tokens/s (the server's thread and the client
+preempt it every token), so a lone sequence always stays on OpenBLAS, its prefill included
+(switching per request cost its first token 40 ms). `choose` measures the model's own
+products at 4 and 16 rows once at start-up; the runner calls `for_batch` before each
+forward. `--deterministic` always uses OpenBLAS, whose padded gemm it relies on
+(runtime/cpu_attention.py). The choice is process-wide, as the thread pools are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+from threadpoolctl import ThreadpoolController
+
+log = logging.getLogger("kiln")
+
+POLICIES = ("openblas", "mkl")  # mkl: MKL for batches of more than one sequence
+_policy = "openblas"
+_current = "openblas"
+_measured: str | None = None
+_blas = None  # threadpoolctl's handles on the loaded BLAS libraries, found once
+
+
+def _use(backend: str) -> None:
+    global _current, _blas
+    if _blas is None:
+        _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+    n = os.cpu_count() or 1
+    for lib in _blas:  # a direct call into the library: about a microsecond
+        lib.set_num_threads(1 if backend == "mkl" else n)
+    torch.set_num_threads(n if backend == "mkl" else 1)
+    _current = backend
+
+
+def set_policy(policy: str) -> None:
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"unknown CPU BLAS {policy!r}: one of {', '.join(POLICIES)}")
+    _policy = policy
+    _use("openblas")
+
+
+def policy() -> str:
+    return _policy
+
+
+def for_batch(num_seqs: int) -> None:
+    """Give the next forward's products (num_seqs sequences) to the library the policy names."""
+    backend = "mkl" if _policy == "mkl" and num_seqs > 1 else "openblas"
+    if backend != _current:
+        _use(backend)
+
+
+def matmul(x: np.ndarray, weight_t: np.ndarray) -> np.ndarray:
+    """x: [T, in] @ weight_t: [in, out] with the library in use (no copies either way)."""
+    if _current == "mkl":
+        return torch.matmul(torch.from_numpy(x), torch.from_numpy(weight_t)).numpy()
+    return np.matmul(x, weight_t)
+
+
+def _time(weights_t: list[np.ndarray], rows: tuple[int, ...], repeats: int) -> float:
+    total = 0.0
+    for m in rows:
+        xs = {w.shape[0]: np.ones((m, w.shape[0]), dtype=np.float32) for w in weights_t}
+        for w in weights_t:  # warm the pool and the caches
+            matmul(xs[w.shape[0]], w)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for w in weights_t:
+                matmul(xs[w.shape[0]], w)
+            best = min(best, time.perf_counter() - t0)
+        total += best
+    return total
+
+
+def choose(weights_t: list[np.ndarray], rows: tuple[int, ...] = (4, 16),
+           repeats: int = 3) -> str:
+    """Time both libraries on the model's products ([in, out] views, one layer's worth) at a
+    few batch sizes, on a thread of its own (no OpenMP team is left on the caller's), and
+    set the policy: MKL for batches if it was faster."""
+    totals: dict[str, float] = {}
+
+    def measure() -> None:
+        # Alternate, with a pause, so neither is timed while the other's threads still spin.
+        for _ in range(2):
+            for backend in ("openblas", "mkl"):
+                _use(backend)
+                time.sleep(0.05)
+                t = _time(weights_t, rows, repeats)
+                totals[backend] = min(totals.get(backend, t), t)
+
+    worker = threading.Thread(target=measure, name="kiln-cpu-blas")
+    worker.start()
+    worker.join()
+    chosen = min(totals, key=totals.get)
+    set_policy(chosen)
+    log.info("[kiln]  CPU matrix products: OpenBLAS for one sequence, %s for batches (one layer "
+             "at %s rows: %s)", "MKL" if chosen == "mkl" else "OpenBLAS",
+             "/".join(map(str, rows)),
+             ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in totals.items()))
+    return chosen
+
+
+def configure(model, setting: str = "auto", deterministic: bool = False) -> str:
+    """Apply `--cpu-blas` for a model loaded on the CPU. "auto" measures once per process,
+    on the model's first layer; a later model (a switch while serving) keeps that choice
+    rather than timing products while another engine still runs."""
+    global _measured
+    if deterministic:
+        chosen = "openblas"
+    elif setting != "auto":
+        chosen = setting
+    elif _measured is None:
+        weights_t = [t.numpy().T for t in model.layers[0].values()
+                     if isinstance(t, torch.Tensor) and t.dim() == 2]
+        _measured = chosen = choose(weights_t)
+    else:
+        chosen = _measured
+    set_policy(chosen)
+    return chosen
