@@ -104,10 +104,9 @@ class CpuAttentionPlan:
     block_size: int
     deterministic: bool
     # A lone decode sequence's blocks as runs of consecutive block ids, each (first slot,
-    # first position, number of positions); None if they split into more than MAX_RUNS
-    # (then they are gathered).
-    # One stream usually has one or two (a cached system prompt, then its own blocks), and
-    # reads its keys in place, without a gather.
+    # first position, number of positions), read in place without a gather; None if they
+    # split into more than MAX_RUNS (then they are gathered). One stream usually has one or
+    # two: a cached system prompt, then its own blocks.
     decode_runs: list[tuple[int, int, int]] | None = None
     slots: torch.Tensor | None = None  # [T'] int64, the slot mapping without its -1 entries
     kept_rows: torch.Tensor | None = None  # [T'] rows that store K/V; None = all of them
@@ -154,6 +153,7 @@ class CpuAttentionPlan:
               value_cache: torch.Tensor) -> None:
         """store_kvcache_ref with the slot mapping's -1 entries dropped once per forward.
         key, value: [num_tokens, num_kv_heads, head_dim]."""
+        assert self.slots is not None, "plan built without the slot mapping"
         if self.kept_rows is not None:
             key, value = key[self.kept_rows], value[self.kept_rows]
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, self.slots, key)
