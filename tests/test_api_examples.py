@@ -180,6 +180,7 @@ def test_continue_final_message_example(client, hf_continuation_ids):
         model=MODEL,
         messages=PARIS,
         max_tokens=1,
+        temperature=0,  # a sampled token may lie outside the top 5 it is checked against
         logprobs=True,
         top_logprobs=5,
         extra_body={"continue_final_message": True},
