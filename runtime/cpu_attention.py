@@ -100,7 +100,6 @@ class CpuAttentionPlan:
     decode_block_ids: np.ndarray  # [S, n] int64, padded with block 0 (masked out)
     decode_pos: np.ndarray  # [S] int64, the position of each decode query
     prefill_seqs: list[int]  # sequences with a chunk of several rows
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq]
     block_size: int
     deterministic: bool
     # A lone decode sequence's blocks as runs of consecutive block ids, each (first slot,
@@ -147,7 +146,7 @@ class CpuAttentionPlan:
                 slots = slot_mapping[kept]
         return cls(starts, lens, decode, [starts[i] for i in decode], ids,
                    np.array([lens[i] - 1 for i in decode], dtype=np.int64), prefill,
-                   block_tables, block_size, deterministic, runs, slots, kept)
+                   block_size, deterministic, runs, slots, kept)
 
     def store(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor) -> None:

@@ -82,10 +82,6 @@ class RotaryEmbedding:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions: [T]; x: [T, num_heads, head_dim] -> rotated copy."""
-        return self.rotate(x, self.cos_sin(positions))
-
 
 def paged_attention_layer(
     q: torch.Tensor,  # [T, num_heads, head_dim]
