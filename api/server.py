@@ -98,7 +98,8 @@ def serve(args) -> int:
     options = ServeOptions(ctx_len=args.ctx_len, prefill_chunk_len=args.prefill_chunk_len,
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            per_request_sampling=args.per_request_sampling,
-                           deterministic=args.deterministic, cpu_blas=args.cpu_blas)
+                           deterministic=args.deterministic, cpu_blas=args.cpu_blas,
+                           dtype=args.dtype)
     state = ServerState(options)
     try:
         state.load(args.model)

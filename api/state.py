@@ -33,6 +33,7 @@ class ServeOptions:
     per_request_sampling: bool = False
     deterministic: bool = False
     cpu_blas: str = "auto"  # runtime/cpu_blas.py: auto, openblas or mkl (for batches)
+    dtype: str = "float32"  # or bfloat16: packed bf16 CPU products (runtime/packed_linear.py)
 
 
 class ServerState:
@@ -54,8 +55,9 @@ class ServerState:
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
         cuda = torch.cuda.is_available()
-        loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda)
         o = self.options
+        loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda,
+                            dtype=getattr(torch, o.dtype))
         if not cuda:
             cpu_blas.configure(loaded.model, o.cpu_blas, o.deterministic)
         config = EngineConfig.build(

@@ -12,13 +12,15 @@
 #              CPU count, which is what kiln uses)  LEVELS (short-prompt concurrency, 1,16,64)
 #              REQUESTS (per level; 0 = serve.py's default)  MAX_TOKENS (128)
 #              LONG_TOKENS (2000)  LONG_REQUESTS (REQUESTS)  WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
+#              KILN_DTYPES  kiln's --dtype for each kiln server, in turn (float32; "float32
+#                            bfloat16" adds a kiln-bf16 server and its own ratio table)
 #              LLAMA_CPP_NO_REPACK=1  load llama.cpp's weights without its extra buffer types
 #                            (AMX / AVX-512 repacking): only where that path crashes (a
 #                            segfault in llama_decode on the first request); it slows llama.cpp
 # The long and shared-prefix prompts run at concurrency 1 only (prefill speed, cached vs cold).
 # llama-cpp-python's server answers one request at a time; --interrupt_requests False makes
 # it queue concurrent requests instead of cutting the running stream short.
-# Writes OUT/STAMP-{kiln,llamacpp}-{short,long}.json, OUT/STAMP-compare.{png,txt}.
+# Writes OUT/STAMP-{kiln,kiln-bf16,llamacpp}-{short,long}.json, OUT/STAMP-compare.{png,txt}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +36,7 @@ LONG_TOKENS=${LONG_TOKENS:-2000}
 WARMUP=${WARMUP:-2}
 LONG_REQUESTS=${LONG_REQUESTS:-$REQUESTS}
 LLAMA_CPP_NO_REPACK=${LLAMA_CPP_NO_REPACK:-0}
+KILN_DTYPES=${KILN_DTYPES:-float32}
 OUT=${OUT:-bench/results}
 START_TIMEOUT=${START_TIMEOUT:-600}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
@@ -114,11 +117,17 @@ runpy.run_module("llama_cpp.server", run_name="__main__")'
 LLAMA_SERVER=(-m llama_cpp.server)
 [ "$LLAMA_CPP_NO_REPACK" = 1 ] && LLAMA_SERVER=(-c "$NO_REPACK")
 
-PORT=$(free_port)
-start kiln /health .venv/bin/kiln serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-    --ctx-len "$CTX"
-bench kiln
-stop_server
+KILN_LABELS=()
+for dtype in $KILN_DTYPES; do
+    label=kiln
+    [ "$dtype" = float32 ] || label=kiln-${dtype/bfloat16/bf16}
+    KILN_LABELS+=("$label")
+    PORT=$(free_port)
+    start "$label" /health .venv/bin/kiln serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
+        --ctx-len "$CTX" --dtype "$dtype"
+    bench "$label"
+    stop_server
+done
 
 PORT=$(free_port)
 start llamacpp /v1/models "$LLAMA_CPP_PY" "${LLAMA_SERVER[@]}" --model "$GGUF" \
@@ -127,11 +136,16 @@ start llamacpp /v1/models "$LLAMA_CPP_PY" "${LLAMA_SERVER[@]}" --model "$GGUF" \
 bench llamacpp
 stop_server
 
-FILES=("$OUT/$STAMP"-kiln-*.json "$OUT/$STAMP"-llamacpp-*.json)
 echo "kiln vs llama.cpp: $MODEL, ctx $CTX, $THREADS threads, max_tokens $MAX_TOKENS," \
-     "long prompts $LONG_TOKENS words, llama.cpp no-repack $LLAMA_CPP_NO_REPACK" \
-     | tee "$OUT/$STAMP-compare.txt"
-"$PY" bench/serve.py --compare "${FILES[@]}" | tee -a "$OUT/$STAMP-compare.txt"
+     "long prompts $LONG_TOKENS words, llama.cpp no-repack $LLAMA_CPP_NO_REPACK," \
+     "kiln --dtype: $KILN_DTYPES" | tee "$OUT/$STAMP-compare.txt"
+FILES=()
+for label in "${KILN_LABELS[@]}"; do
+    PAIR=("$OUT/$STAMP-$label"-{short,long}.json "$OUT/$STAMP"-llamacpp-{short,long}.json)
+    "$PY" bench/serve.py --compare "${PAIR[@]}" | tee -a "$OUT/$STAMP-compare.txt"
+    FILES+=("$OUT/$STAMP-$label"-{short,long}.json)
+done
+FILES+=("$OUT/$STAMP"-llamacpp-{short,long}.json)
 "$PY" bench/serve.py --plot "${FILES[@]}" --chart "$OUT/$STAMP-compare.png"
 echo "$OUT/$STAMP-compare.png"
 exit $STATUS

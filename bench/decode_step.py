@@ -4,7 +4,7 @@
 
 Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
 times `steps` decode steps of the whole batch. The CPU's products and threads are set as
-`kiln serve` sets them (`--cpu-blas`, runtime/cpu_blas.py). Compare two trees by running
+`kiln serve` sets them (`--cpu-blas`, `--dtype`, runtime/cpu_blas.py). Compare two trees by running
 this file from each in the same session, alternating: the machine is shared, so only ratios
 mean anything.
 """
@@ -38,9 +38,10 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
     ap.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(1)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
     policy = cpu_blas.configure(loaded.model, args.cpu_blas, args.deterministic)
     print(f"[decode_step]  CPU products for batches: {policy}", flush=True)
     batches = [int(b) for b in args.batch.split(",")]

@@ -11,6 +11,13 @@ preempt it every token), so a lone sequence always stays on OpenBLAS, its prefil
 products at 4 and 16 rows once at start-up; the runner calls `for_batch` before each
 forward. `--deterministic` always uses OpenBLAS, whose padded gemm it relies on
 (runtime/cpu_attention.py). The choice is process-wide, as the thread pools are.
+
+A model loaded with `--dtype bfloat16` does its products in oneDNN (runtime/packed_linear.py),
+on torch's pool: the "bf16" policy. Alone (no server) one row's products took 27 ms on one
+thread against 15 ms on two, but served, a lone stream's decode on both cores took 66-69 ms a
+token against 48-52 ms on one (the server and its client preempt the team), so a decode
+step of one sequence runs on one thread; anything with more rows (a batch, a prefill chunk)
+runs on every core.
 """
 
 from __future__ import annotations
@@ -26,22 +33,23 @@ from threadpoolctl import ThreadpoolController
 
 log = logging.getLogger("kiln")
 
-POLICIES = ("openblas", "mkl")  # mkl: MKL for batches of more than one sequence
+# mkl: MKL for batches of more than one sequence; bf16: oneDNN's packed bf16 for all of them
+POLICIES = ("openblas", "mkl", "bf16")
 _policy = "openblas"
-_current = "openblas"
+_current = "openblas"  # the pool that spins: "openblas" (numpy's) or "torch" (MKL and oneDNN)
 _measured: str | None = None
 _blas = None  # threadpoolctl's handles on the loaded BLAS libraries, found once
 
 
-def _use(backend: str) -> None:
+def _use(pool: str) -> None:
     global _current, _blas
     if _blas is None:
         _blas = ThreadpoolController().select(user_api="blas").lib_controllers
     n = os.cpu_count() or 1
     for lib in _blas:  # a direct call into the library: about a microsecond
-        lib.set_num_threads(1 if backend == "mkl" else n)
-    torch.set_num_threads(n if backend == "mkl" else 1)
-    _current = backend
+        lib.set_num_threads(1 if pool == "torch" else n)
+    torch.set_num_threads(n if pool == "torch" else 1)
+    _current = pool
 
 
 def set_policy(policy: str) -> None:
@@ -49,23 +57,25 @@ def set_policy(policy: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"unknown CPU BLAS {policy!r}: one of {', '.join(POLICIES)}")
     _policy = policy
-    _use("openblas")
+    _use("torch" if policy == "bf16" else "openblas")
 
 
 def policy() -> str:
     return _policy
 
 
-def for_batch(num_seqs: int) -> None:
-    """Give the next forward's products (num_seqs sequences) to the library the policy names."""
-    backend = "mkl" if _policy == "mkl" and num_seqs > 1 else "openblas"
-    if backend != _current:
-        _use(backend)
+def for_batch(num_seqs: int, num_tokens: int) -> None:
+    """Give the next forward's products (num_seqs sequences, num_tokens rows) to the library
+    the policy names."""
+    torch_pool = (_policy == "mkl" and num_seqs > 1) or (_policy == "bf16" and num_tokens > 1)
+    pool = "torch" if torch_pool else "openblas"
+    if pool != _current:
+        _use(pool)
 
 
 def matmul(x: np.ndarray, weight_t: np.ndarray) -> np.ndarray:
     """x: [T, in] @ weight_t: [in, out] with the library in use (no copies either way)."""
-    if _current == "mkl":
+    if _current == "torch":
         return torch.matmul(torch.from_numpy(x), torch.from_numpy(weight_t)).numpy()
     return np.matmul(x, weight_t)
 
@@ -96,8 +106,8 @@ def choose(weights_t: list[np.ndarray], rows: tuple[int, ...] = (4, 16),
     def measure() -> None:
         # Alternate, with a pause, so neither is timed while the other's threads still spin.
         for _ in range(2):
-            for backend in ("openblas", "mkl"):
-                _use(backend)
+            for backend, pool in (("openblas", "openblas"), ("mkl", "torch")):
+                _use(pool)
                 time.sleep(0.05)
                 t = _time(weights_t, rows, repeats)
                 totals[backend] = min(totals.get(backend, t), t)
@@ -117,9 +127,12 @@ def choose(weights_t: list[np.ndarray], rows: tuple[int, ...] = (4, 16),
 def configure(model, setting: str = "auto", deterministic: bool = False) -> str:
     """Apply `--cpu-blas` for a model loaded on the CPU. "auto" measures once per process,
     on the model's first layer; a later model (a switch while serving) keeps that choice
-    rather than timing products while another engine still runs."""
+    rather than timing products while another engine still runs. A model with packed bf16
+    weights has its products done by oneDNN whatever the setting."""
     global _measured
-    if deterministic:
+    if getattr(model, "cpu_bf16", False):
+        chosen = "bf16"
+    elif deterministic:
         chosen = "openblas"
     elif setting != "auto":
         chosen = setting

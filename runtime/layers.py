@@ -2,6 +2,7 @@
 
 On CPU, matrix products go through numpy's OpenBLAS or, for batches, torch's MKL where that
 measured faster on this machine (runtime/cpu_blas.py); `--deterministic` uses OpenBLAS.
+`--dtype bfloat16` hands them packed bf16 weights for oneDNN instead (runtime/packed_linear.py).
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from runtime.cpu_attention import (
     padded_matmul,
     paged_attention_cpu,
 )
+from runtime.packed_linear import PackedBf16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedBf16,
+           deterministic: bool = False) -> torch.Tensor:
     """x: [T, in], weight: [out, in] -> [T, out].
 
     deterministic: pad the rows so OpenBLAS computes each row the same way whatever the
     batch (see runtime/cpu_attention.py), so a token's bits do not depend on its neighbours.
     """
+    if isinstance(weight, PackedBf16):
+        return weight(x)
     if x.device.type == "cpu" and x.dtype == torch.float32:
         w = weight.numpy().T
         if deterministic:
@@ -36,8 +41,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, deterministic: bool = False) -
     return F.linear(x, weight)
 
 
-def matmul_np(x: np.ndarray, weight_t: np.ndarray, deterministic: bool = False) -> np.ndarray:
+def matmul_np(x: np.ndarray, weight_t: np.ndarray | PackedBf16,
+              deterministic: bool = False) -> np.ndarray:
     """x: [T, in] @ weight_t: [in, out] (a transposed view of an [out, in] weight)."""
+    if isinstance(weight_t, PackedBf16):
+        return weight_t.matmul_np(x)
     if deterministic:  # OpenBLAS's row-invariant gemm (runtime/cpu_blas.py never moves it)
         return padded_matmul(x, weight_t, min_rows_for(weight_t.shape[1]))
     return cpu_blas.matmul(x, weight_t)

@@ -29,7 +29,7 @@ def test_each_library_computes_the_same_product(policy):
     x = rng.standard_normal((5, 96), dtype=np.float32)
     w = rng.standard_normal((64, 96), dtype=np.float32)  # [out, in], used transposed
     cpu_blas.set_policy(policy)
-    cpu_blas.for_batch(4)
+    cpu_blas.for_batch(4, 4)
     np.testing.assert_allclose(cpu_blas.matmul(x, w.T), x.astype(np.float64) @ w.T, rtol=1e-4,
                                atol=1e-4)
 
@@ -37,14 +37,14 @@ def test_each_library_computes_the_same_product(policy):
 def test_a_batch_moves_to_mkl_and_a_lone_sequence_back_to_openblas():
     cores = os.cpu_count() or 1
     cpu_blas.set_policy("mkl")
-    cpu_blas.for_batch(2)
-    assert cpu_blas._current == "mkl"
+    cpu_blas.for_batch(2, 2)
+    assert cpu_blas._current == "torch"
     assert _blas_threads() == 1 and torch.get_num_threads() == cores
-    cpu_blas.for_batch(1)
+    cpu_blas.for_batch(1, 1)
     assert cpu_blas._current == "openblas"
     assert _blas_threads() == cores and torch.get_num_threads() == 1
     cpu_blas.set_policy("openblas")
-    cpu_blas.for_batch(16)
+    cpu_blas.for_batch(16, 16)
     assert cpu_blas._current == "openblas" and torch.get_num_threads() == 1
 
 

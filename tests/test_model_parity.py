@@ -53,7 +53,7 @@ def _prefill(model, ids, num_blocks=64):
 def cpu_products(request):
     """Each library runtime/cpu_blas.py may pick for a batch does the products."""
     cpu_blas.set_policy(request.param)
-    cpu_blas.for_batch(2)
+    cpu_blas.for_batch(2, 2)
     yield request.param
     cpu_blas.set_policy("openblas")
     torch.set_num_threads(1)

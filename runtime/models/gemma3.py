@@ -35,6 +35,7 @@ from runtime.layers import (
     paged_attention_layer,
     rms_norm,
 )
+from runtime.packed_linear import PackedBf16, packs_weights, product_weight
 
 # Not in Gemma 3's GGUF metadata: llama.cpp and transformers hard-code them for the arch.
 SLIDING_WINDOW_PATTERN = 6
@@ -80,15 +81,25 @@ class Gemma3Model:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
                  use_triton: bool = False):
         self.cfg, self.use_triton = cfg, use_triton
+        # bf16 on the CPU: fp32 activations, the products' weights packed for oneDNN.
+        self.cpu_bf16 = packs_weights(device, dtype, use_triton)
+        if self.cpu_bf16:
+            dtype = torch.float32
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
+
+        def product(weight: torch.Tensor) -> torch.Tensor | PackedBf16:  # [out, in]
+            return product_weight(weight, device, dtype, self.cpu_bf16)
 
         def norm(name: str) -> torch.Tensor:  # kept in fp32: norms run in fp32 (see _norm)
             return tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
         self.embed = w("token_embd.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("output.weight")
+        if cfg.tie_word_embeddings:  # the same tensor, or a packed bf16 copy of it
+            self.lm_head = PackedBf16(self.embed) if self.cpu_bf16 else self.embed
+        else:
+            self.lm_head = product(tensors["output.weight"])
         # HF casts sqrt(hidden) to the weights' dtype (55.4256 -> 55.5 in bf16); so do we.
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device)
         self.final_norm = norm("output_norm.weight")
@@ -98,18 +109,17 @@ class Gemma3Model:
             self.layers.append({
                 "attn_norm": norm(p + "attn_norm.weight"),
                 # Q, K and V in one product: [q_size + 2 * kv_size, hidden]
-                "qkv": torch.cat([tensors[p + "attn_q.weight"], tensors[p + "attn_k.weight"],
-                                  tensors[p + "attn_v.weight"]])
-                .to(device=device, dtype=dtype).contiguous(),
+                "qkv": product(torch.cat([tensors[p + "attn_q.weight"],
+                                          tensors[p + "attn_k.weight"],
+                                          tensors[p + "attn_v.weight"]])),
                 "q_norm": norm(p + "attn_q_norm.weight"),  # [head_dim]
                 "k_norm": norm(p + "attn_k_norm.weight"),  # [head_dim]
-                "o": w(p + "attn_output.weight"),
+                "o": product(tensors[p + "attn_output.weight"]),
                 "post_attn_norm": norm(p + "post_attention_norm.weight"),
                 "ffn_norm": norm(p + "ffn_norm.weight"),
-                "gate_up": torch.cat([tensors[p + "ffn_gate.weight"],
-                                      tensors[p + "ffn_up.weight"]])
-                .to(device=device, dtype=dtype).contiguous(),
-                "down": w(p + "ffn_down.weight"),
+                "gate_up": product(torch.cat([tensors[p + "ffn_gate.weight"],
+                                              tensors[p + "ffn_up.weight"]])),
+                "down": product(tensors[p + "ffn_down.weight"]),
                 "post_ffn_norm": norm(p + "post_ffw_norm.weight"),
                 "local": cfg.layer_is_local(i),
                 "sliding_window": cfg.layer_sliding_window(i),

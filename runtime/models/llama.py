@@ -17,6 +17,7 @@ from runtime.layers import (
     rms_norm_np,
     silu_and_mul,
 )
+from runtime.packed_linear import PackedBf16, packs_weights, product_weight
 
 
 def read_config(gf: GGUFFile) -> ModelConfig:
@@ -46,16 +47,34 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _numpy_view(t: torch.Tensor | PackedBf16) -> np.ndarray | PackedBf16:
+    """A product's weight as matmul_np takes it ([in, out] view, or packed as it is)."""
+    if isinstance(t, PackedBf16):
+        return t
+    return t.numpy().T if t.dim() == 2 else t.numpy()
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
                  use_triton: bool = False):
         self.cfg, self.use_triton = cfg, use_triton
+        on_cpu = torch.device(device).type == "cpu" and not use_triton
+        # bf16 on the CPU: fp32 activations, the products' weights packed for oneDNN.
+        self.cpu_bf16 = packs_weights(device, dtype, use_triton)
+        if self.cpu_bf16:
+            dtype = torch.float32
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
 
+        def product(weight: torch.Tensor) -> torch.Tensor | PackedBf16:  # [out, in]
+            return product_weight(weight, device, dtype, self.cpu_bf16)
+
         self.embed = w("token_embd.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("output.weight")
+        if cfg.tie_word_embeddings:  # fp32: the same tensor; bf16: a packed copy of it
+            self.lm_head = PackedBf16(self.embed) if self.cpu_bf16 else self.embed
+        else:
+            self.lm_head = product(tensors["output.weight"])
         self.final_norm = w("output_norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -66,25 +85,23 @@ class LlamaModel:
             self.layers.append({
                 "attn_norm": w(p + "attn_norm.weight"),
                 # Q, K and V in one product: [q_size + 2 * kv_size, hidden]
-                "qkv": torch.cat([q, k, v]).to(device=device, dtype=dtype).contiguous(),
-                "o": w(p + "attn_output.weight"),
+                "qkv": product(torch.cat([q, k, v])),
+                "o": product(tensors[p + "attn_output.weight"]),
                 "ffn_norm": w(p + "ffn_norm.weight"),
-                "gate_up": torch.cat([tensors[p + "ffn_gate.weight"],
-                                      tensors[p + "ffn_up.weight"]])
-                .to(device=device, dtype=dtype).contiguous(),
-                "down": w(p + "ffn_down.weight"),
+                "gate_up": product(torch.cat([tensors[p + "ffn_gate.weight"],
+                                              tensors[p + "ffn_up.weight"]])),
+                "down": product(tensors[p + "ffn_down.weight"]),
             })
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device,
                                     torch.float32)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        # The CPU fp32 forward runs on numpy views of the same weights (no copies).
-        self.numpy_forward = torch.device(device).type == "cpu" and dtype == torch.float32 \
-            and not use_triton
+        # The CPU forward (fp32 activations) runs on numpy views of the same weights (no
+        # copies), or on the packed bf16 ones.
+        self.numpy_forward = on_cpu and dtype == torch.float32
         if self.numpy_forward:
             for layer in self.layers:
-                layer["np"] = {name: (t.numpy().T if t.dim() == 2 else t.numpy())
-                               for name, t in layer.items()}
+                layer["np"] = {name: _numpy_view(t) for name, t in layer.items()}
 
     def _forward_numpy(
         self,
