@@ -132,6 +132,8 @@ def configure(model, setting: str = "auto", deterministic: bool = False) -> str:
     global _measured
     if getattr(model, "cpu_bf16", False):
         chosen = "bf16"
+        log.info("[kiln]  CPU matrix products: bf16 weights packed for oneDNN; one thread for "
+                 "a lone sequence's decode, every core otherwise")
     elif deterministic:
         chosen = "openblas"
     elif setting != "auto":

@@ -113,6 +113,7 @@ def test_refusals():
     assert (bf16_refusal(cuda=False, deterministic=False) is None) == bf16_supported()
 
 
-def test_cli_refuses_bf16_with_deterministic_before_loading(capsys):
+def test_cli_refuses_bf16_with_deterministic_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["serve", "--dtype", "bfloat16", "--deterministic", "no-such-model"]) == 2
     assert "--deterministic needs --dtype float32" in capsys.readouterr().err
