@@ -6,11 +6,16 @@ Which is faster depends on the machine and the batch. OpenBLAS was twice as fast
 AMD EPYC (shared/perf-notes.md). On an Intel Xeon with AVX-512 they are even at one row and
 MKL is up to 1.5x faster at 4 to 64 rows; but with MKL's team on both cores a lone stream
 served through `kiln serve` fell from 27 to 17 tokens/s (the server's thread and the client
-preempt it every token), so a lone sequence always stays on OpenBLAS, its prefill included
-(switching per request cost its first token 40 ms). `choose` measures the model's own
-products at 4 and 16 rows once at start-up; the runner calls `for_batch` before each
-forward. `--deterministic` always uses OpenBLAS, whose padded gemm it relies on
-(runtime/cpu_attention.py). The choice is process-wide, as the thread pools are.
+preempt it every token), so a lone sequence stays on OpenBLAS, and so do its prefill
+chunks up to a few hundred rows: switching to MKL and back for them cost 35-70 ms at 12-40
+rows, broke even at 256 and slowed the next token by about 10 ms. A chunk of 1,024 rows is
+worth the switch (a 2,000-token prompt served cold took 3.2 s instead of 4.5 s), and so is a
+short chunk behind a long cached prefix, whose attention then runs on two threads (the
+last 30 tokens of a 2,046-token prompt: 0.13 s instead of 0.19 s to the first token). `choose`
+measures the model's own products at 4 and 16 rows once at start-up; the runner calls
+`for_batch` before each forward. `--deterministic` always uses OpenBLAS, whose padded gemm
+it relies on (runtime/cpu_attention.py). The choice is process-wide, as the thread pools
+are.
 
 A model loaded with `--dtype bfloat16` does its products in oneDNN (runtime/packed_linear.py),
 on torch's pool: the "bf16" policy. Alone (no server) one row's products took 27 ms on one
@@ -33,7 +38,11 @@ from threadpoolctl import ThreadpoolController
 
 log = logging.getLogger("kiln")
 
-# mkl: MKL for batches of more than one sequence; bf16: oneDNN's packed bf16 for all of them
+# mkl: MKL for batches of more than one sequence, and for a lone sequence's prefill chunks of
+# MKL_PREFILL_ROWS rows or more, or reading MKL_PREFILL_CONTEXT tokens or more (its attention
+# then runs on torch's threads too); bf16: oneDNN's packed bf16 for all of them
+MKL_PREFILL_ROWS = 512
+MKL_PREFILL_CONTEXT = 1024
 POLICIES = ("openblas", "mkl", "bf16")
 _policy = "openblas"
 _current = "openblas"  # the pool that spins: "openblas" (numpy's) or "torch" (MKL and oneDNN)
@@ -64,10 +73,13 @@ def policy() -> str:
     return _policy
 
 
-def for_batch(num_seqs: int, num_tokens: int) -> None:
-    """Give the next forward's products (num_seqs sequences, num_tokens rows) to the library
-    the policy names."""
-    torch_pool = (_policy == "mkl" and num_seqs > 1) or (_policy == "bf16" and num_tokens > 1)
+def for_batch(num_seqs: int, num_tokens: int, max_seq_len: int = 0) -> None:
+    """Give the next forward (num_seqs sequences, num_tokens rows, the longest reading
+    max_seq_len tokens of context) to the library the policy names."""
+    long_prefill = num_tokens >= MKL_PREFILL_ROWS or \
+        (num_tokens > 1 and max_seq_len >= MKL_PREFILL_CONTEXT)
+    torch_pool = (_policy == "mkl" and (num_seqs > 1 or long_prefill)) \
+        or (_policy == "bf16" and num_tokens > 1)
     pool = "torch" if torch_pool else "openblas"
     if pool != _current:
         _use(pool)

@@ -79,7 +79,7 @@ class ModelRunner:
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [S', vocab] fp32 for the rows that sample, or None if none do."""
         if self.device.type == "cpu":
-            cpu_blas.for_batch(inp.meta.num_seqs, inp.input_ids.shape[0])
+            cpu_blas.for_batch(inp.meta.num_seqs, inp.input_ids.shape[0], inp.meta.max_seq_len)
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         if not inp.sampling_requests:
             return None

@@ -48,6 +48,19 @@ def test_a_batch_moves_to_mkl_and_a_lone_sequence_back_to_openblas():
     assert cpu_blas._current == "openblas" and torch.get_num_threads() == 1
 
 
+@pytest.mark.parametrize("num_tokens, max_seq_len, pool", [
+    (1, 4000, "openblas"),  # a decode step, however long its context
+    (40, 100, "openblas"),  # a short prompt: switching would cost more than MKL saves
+    (300, 364, "openblas"),
+    (1024, 1024, "torch"),  # a long prompt's chunk
+    (30, 2046, "torch"),  # the end of a long cached prompt: its attention gets both cores
+])
+def test_a_lone_sequence_moves_to_mkl_only_for_long_prefills(num_tokens, max_seq_len, pool):
+    cpu_blas.set_policy("mkl")
+    cpu_blas.for_batch(1, num_tokens, max_seq_len)
+    assert cpu_blas._current == pool
+
+
 def test_choose_measures_and_sets_a_policy():
     rng = np.random.default_rng(1)
     weights_t = [rng.standard_normal((64, 128), dtype=np.float32).T for _ in range(3)]
