@@ -10,8 +10,8 @@ import time
 from runtime.catalogue import CATALOGUE, DEFAULT_MODEL
 
 CPU_BLAS_HELP = ("who does batched matrix products on the CPU: numpy's OpenBLAS or torch's "
-                 "MKL (auto: whichever measured faster at start-up; one row and "
-                 "--deterministic always use OpenBLAS)")
+                 "MKL (auto: whichever measured faster at start-up; a lone sequence's decode "
+                 "and short prefill, and --deterministic, always use OpenBLAS)")
 DTYPE_HELP = ("float32: weights and products in fp32, logits match transformers; bfloat16: the "
               "matrix products' weights and inputs in bf16 through oneDNN, much faster on a CPU "
               "with AMX or AVX-512-BF16, logits within bf16 rounding of float32's")

@@ -143,6 +143,8 @@ def configure(model, setting: str = "auto", deterministic: bool = False) -> str:
     weights has its products done by oneDNN whatever the setting."""
     global _measured
     if getattr(model, "cpu_bf16", False):
+        if deterministic:  # the CLI refuses this pair first; a caller of the runtime may not
+            raise ValueError("--deterministic needs --dtype float32")
         chosen = "bf16"
         log.info("[kiln]  CPU matrix products: bf16 weights packed for oneDNN; one thread for "
                  "a lone sequence's decode, every core otherwise")

@@ -96,6 +96,8 @@ def test_bf16_decode_of_one_sequence_runs_on_one_thread_and_the_rest_on_all(bf16
     cores = os.cpu_count() or 1
     try:
         assert cpu_blas.configure(bf16_model.model, "openblas") == "bf16"
+        with pytest.raises(ValueError):
+            cpu_blas.configure(bf16_model.model, "auto", deterministic=True)
         cpu_blas.for_batch(1, 1)
         assert torch.get_num_threads() == 1
         cpu_blas.for_batch(1, 512)  # a prefill chunk
