@@ -64,6 +64,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_run(args) -> int:
+    import torch
+
     from runtime.detokenizer import IncrementalDetokenizer
     from runtime.engine import LLMEngine
     from runtime.errors import KilnError
@@ -75,7 +77,7 @@ def cmd_run(args) -> int:
     _configure_threads()
     try:
         loaded = load_model(args.model, device="cuda" if _cuda() else "cpu", use_triton=_cuda(),
-                            dtype=_torch_dtype(args.dtype))
+                            dtype=getattr(torch, args.dtype))
     except (PullError, ModelLoadError) as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 1
@@ -122,12 +124,6 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 def cmd_serve(args) -> int:

@@ -40,10 +40,9 @@ def bf16_refusal(cuda: bool, deterministic: bool) -> str | None:
 class PackedBf16:
     """A linear layer's [out, in] weight in bf16, in oneDNN's layout for this CPU."""
 
-    __slots__ = ("packed", "shape")
+    __slots__ = ("packed",)
 
     def __init__(self, weight: torch.Tensor):  # [out, in], any float dtype, on the CPU
-        self.shape = tuple(weight.shape)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
             weight.to(torch.bfloat16).contiguous(), None)
 
