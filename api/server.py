@@ -99,7 +99,7 @@ def serve(args) -> int:
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            per_request_sampling=args.per_request_sampling,
                            deterministic=args.deterministic, cpu_blas=args.cpu_blas,
-                           dtype=args.dtype)
+                           dtype=args.dtype, cpu_weights=args.cpu_weights)
     state = ServerState(options)
     try:
         state.load(args.model)

@@ -34,6 +34,7 @@ class ServeOptions:
     deterministic: bool = False
     cpu_blas: str = "auto"  # runtime/cpu_blas.py: auto, openblas or mkl (for batches)
     dtype: str = "float32"  # or bfloat16: packed bf16 CPU products (runtime/packed_linear.py)
+    cpu_weights: str = "gguf"  # or fp32: no GGUF-block products (runtime/quant_linear.py)
 
 
 class ServerState:
@@ -57,7 +58,7 @@ class ServerState:
         cuda = torch.cuda.is_available()
         o = self.options
         loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda,
-                            dtype=getattr(torch, o.dtype))
+                            dtype=getattr(torch, o.dtype), cpu_weights=o.cpu_weights)
         if not cuda:
             cpu_blas.configure(loaded.model, o.cpu_blas, o.deterministic)
         config = EngineConfig.build(

@@ -4,9 +4,9 @@
 
 Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
 times `steps` decode steps of the whole batch. The CPU's products and threads are set as
-`kiln serve` sets them (`--cpu-blas`, `--dtype`, runtime/cpu_blas.py). Compare two trees by running
-this file from each in the same session, alternating: the machine is shared, so only ratios
-mean anything.
+`kiln serve` sets them (`--cpu-blas`, `--dtype`, `--cpu-weights`, runtime/cpu_blas.py).
+Compare two trees by running this file from each in the same session, alternating: the
+machine is shared, so only ratios mean anything.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
     ap.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cpu-weights", default="gguf", choices=["gguf", "fp32"])
     args = ap.parse_args()
     torch.set_num_threads(1)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype),
+                        cpu_weights=args.cpu_weights)
     policy = cpu_blas.configure(loaded.model, args.cpu_blas, args.deterministic)
     print(f"[decode_step]  CPU products for batches: {policy}", flush=True)
     batches = [int(b) for b in args.batch.split(",")]

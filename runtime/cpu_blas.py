@@ -17,6 +17,12 @@ measures the model's own products at 4 and 16 rows once at start-up; the runner 
 it relies on (runtime/cpu_attention.py). The choice is process-wide, as the thread pools
 are.
 
+A model whose products read the GGUF's blocks (runtime/quant_linear.py) does a step of up
+to `quant_linear.MAX_ROWS` rows in that kernel's own OpenMP team: the "blocks" pool, with
+OpenBLAS and torch on one thread each so that nothing else spins beside it (a lone decode
+step took 13.4 ms so against 17.0 ms with OpenBLAS's second thread left spinning). Bigger
+steps go to the policy's library as before.
+
 A model loaded with `--dtype bfloat16` does its products in oneDNN (runtime/packed_linear.py),
 on torch's pool: the "bf16" policy. Alone (no server) one row's products took 27 ms on one
 thread against 15 ms on two, but served, a lone stream's decode on both cores took 66-69 ms a
@@ -45,7 +51,10 @@ MKL_PREFILL_ROWS = 512
 MKL_PREFILL_CONTEXT = 1024
 POLICIES = ("openblas", "mkl", "bf16")
 _policy = "openblas"
-_current = "openblas"  # the pool that spins: "openblas" (numpy's) or "torch" (MKL and oneDNN)
+# the pool that spins: "openblas" (numpy's), "torch" (MKL and oneDNN) or "blocks" (neither:
+# runtime/csrc/quant_matmul.c's team)
+_current = "openblas"
+_block_rows = 0  # steps of up to this many rows use the block products (0: the model has none)
 _measured: str | None = None
 _blas = None  # threadpoolctl's handles on the loaded BLAS libraries, found once
 
@@ -56,7 +65,7 @@ def _use(pool: str) -> None:
         _blas = ThreadpoolController().select(user_api="blas").lib_controllers
     n = os.cpu_count() or 1
     for lib in _blas:  # a direct call into the library: about a microsecond
-        lib.set_num_threads(1 if pool == "torch" else n)
+        lib.set_num_threads(n if pool == "openblas" else 1)
     torch.set_num_threads(n if pool == "torch" else 1)
     _current = pool
 
@@ -80,7 +89,10 @@ def for_batch(num_seqs: int, num_tokens: int, max_seq_len: int = 0) -> None:
         (num_tokens > 1 and max_seq_len >= MKL_PREFILL_CONTEXT)
     torch_pool = (_policy == "mkl" and (num_seqs > 1 or long_prefill)) \
         or (_policy == "bf16" and num_tokens > 1)
-    pool = "torch" if torch_pool else "openblas"
+    if num_tokens <= _block_rows:
+        pool = "blocks"
+    else:
+        pool = "torch" if torch_pool else "openblas"
     if pool != _current:
         _use(pool)
 
@@ -141,7 +153,8 @@ def configure(model, setting: str = "auto", deterministic: bool = False) -> str:
     on the model's first layer; a later model (a switch while serving) keeps that choice
     rather than timing products while another engine still runs. A model with packed bf16
     weights has its products done by oneDNN whatever the setting."""
-    global _measured
+    global _measured, _block_rows
+    _block_rows = 0 if deterministic else getattr(model, "block_rows", 0)
     if getattr(model, "cpu_bf16", False):
         if deterministic:  # the CLI refuses this pair first; a caller of the runtime may not
             raise ValueError("--deterministic needs --dtype float32")

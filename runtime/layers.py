@@ -22,6 +22,7 @@ from runtime.cpu_attention import (
     paged_attention_cpu,
 )
 from runtime.packed_linear import PackedBf16
+from runtime.quant_linear import QuantLinear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedBf16,
@@ -46,6 +47,10 @@ def matmul_np(x: np.ndarray, weight_t: np.ndarray | PackedBf16,
     """x: [T, in] @ weight_t: [in, out] (a transposed view of an [out, in] weight)."""
     if isinstance(weight_t, PackedBf16):
         return weight_t.matmul_np(x)
+    if isinstance(weight_t, QuantLinear):
+        if weight_t.uses_blocks(x.shape[0], deterministic):
+            return weight_t.blocks.matmul(x)
+        weight_t = weight_t.weight_t
     if deterministic:  # OpenBLAS's row-invariant gemm (runtime/cpu_blas.py never moves it)
         return padded_matmul(x, weight_t, min_rows_for(weight_t.shape[1]))
     return cpu_blas.matmul(x, weight_t)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from runtime import quant_linear
 from runtime.catalogue import CatalogueEntry, SamplingDefaults
 from runtime.chat_template import ChatTemplate
 from runtime.config import ModelConfig
@@ -56,15 +57,23 @@ class LoadedModel:
 
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               use_triton: bool = False) -> LoadedModel:
+               use_triton: bool = False, cpu_weights: str = "gguf") -> LoadedModel:
+    """cpu_weights: "gguf" lets the CPU's fp32 products read the GGUF's quantized blocks
+    where kiln has a kernel for them (runtime/quant_linear.py); "fp32" keeps to the
+    dequantized weights."""
     t0 = time.perf_counter()
     path, entry = resolve_model(name)
     gf = open_gguf(path)
     arch = ARCHITECTURES[gf.arch]
     config = arch.read_config(gf)
     tensors = load_tensors(gf)
+    kw = {}
+    if cpu_weights == "gguf" and getattr(arch, "READS_GGUF_BLOCKS", False) \
+            and device == "cpu" and not use_triton and dtype == torch.float32 \
+            and quant_linear.library() is not None:
+        kw["gguf_blocks"] = {t.name: t for t in gf.reader.tensors}
     try:
-        model = arch.Model(config, tensors, device, dtype, use_triton=use_triton)
+        model = arch.Model(config, tensors, device, dtype, use_triton=use_triton, **kw)
     except KeyError as exc:
         raise ModelLoadError(path, f"missing tensor {exc}") from exc
     tokenizer = Tokenizer.from_gguf(gf.reader)

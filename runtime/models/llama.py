@@ -18,6 +18,10 @@ from runtime.layers import (
     silu_and_mul,
 )
 from runtime.packed_linear import PackedBf16, packs_weights, product_weight
+from runtime.quant_linear import MAX_ROWS, QuantLinear, block_weight
+
+# load_model hands this architecture the GGUF's tensors too (runtime/quant_linear.py).
+READS_GGUF_BLOCKS = True
 
 
 def read_config(gf: GGUFFile) -> ModelConfig:
@@ -56,7 +60,9 @@ def _numpy_view(t: torch.Tensor | PackedBf16) -> np.ndarray | PackedBf16:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
-                 use_triton: bool = False):
+                 use_triton: bool = False, gguf_blocks: dict | None = None):
+        """gguf_blocks: the GGUF's tensors by name (gguf.ReaderTensor), for the products that
+        read their blocks (runtime/quant_linear.py) in the numpy forward; None: fp32 only."""
         self.cfg, self.use_triton = cfg, use_triton
         on_cpu = torch.device(device).type == "cpu" and not use_triton
         # bf16 on the CPU: fp32 activations, the products' weights packed for oneDNN.
@@ -99,9 +105,37 @@ class LlamaModel:
         # The CPU forward (fp32 activations) runs on numpy views of the same weights (no
         # copies), or on the packed bf16 ones.
         self.numpy_forward = on_cpu and dtype == torch.float32
+        self.lm_head_blocks: QuantLinear | None = None
+        self.block_rows = 0  # steps of up to this many rows read GGUF blocks (cpu_blas)
         if self.numpy_forward:
             for layer in self.layers:
                 layer["np"] = {name: _numpy_view(t) for name, t in layer.items()}
+            if gguf_blocks is not None:
+                self._attach_blocks(gguf_blocks)
+
+    def _attach_blocks(self, gguf: dict) -> None:
+        """Give each product whose GGUF tensors have a block kernel both weights."""
+        cfg = self.cfg
+
+        def attach(weight_t: np.ndarray, names: list[str], permute=None):
+            blocks = block_weight([gguf[n] for n in names], permute)
+            return weight_t if blocks is None else QuantLinear(blocks, weight_t)
+
+        rope_q = lambda t: _unpermute_rope(t, cfg.num_heads)  # as the fp32 copy was
+        rope_k = lambda t: _unpermute_rope(t, cfg.num_kv_heads)
+        for i, layer in enumerate(self.layers):
+            p, w = f"blk.{i}.", layer["np"]
+            w["qkv"] = attach(w["qkv"], [p + "attn_q.weight", p + "attn_k.weight",
+                                         p + "attn_v.weight"], [rope_q, rope_k, None])
+            w["o"] = attach(w["o"], [p + "attn_output.weight"])
+            w["gate_up"] = attach(w["gate_up"], [p + "ffn_gate.weight", p + "ffn_up.weight"])
+            w["down"] = attach(w["down"], [p + "ffn_down.weight"])
+        head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+        lm_head = attach(self.lm_head.numpy().T, [head])
+        if isinstance(lm_head, QuantLinear):
+            self.lm_head_blocks = lm_head
+        if any(isinstance(t, QuantLinear) for layer in self.layers for t in layer["np"].values()):
+            self.block_rows = MAX_ROWS
 
     def _forward_numpy(
         self,
@@ -173,5 +207,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
+        if self.lm_head_blocks is not None:
+            return torch.from_numpy(matmul_np(hidden.numpy(), self.lm_head_blocks, deterministic))
         return linear(hidden, self.lm_head, deterministic).float()
 Model = LlamaModel
