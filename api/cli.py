@@ -16,7 +16,7 @@ DTYPE_HELP = ("float32: weights and products in fp32, logits match transformers;
               "matrix products' weights and inputs in bf16 through oneDNN, much faster on a CPU "
               "with AMX or AVX-512-BF16, logits within bf16 rounding of float32's")
 CPU_WEIGHTS_HELP = ("gguf: float32 products of up to 16 rows read the GGUF's own Q4_0/Q4_1/Q8_0 "
-                    "blocks (the same weight values, a quarter of the bytes; a lone stream "
+                    "blocks (the same weight values, about a fifth of the bytes; a lone stream "
                     "decodes about twice as fast); fp32: dequantized fp32 weights only")
 
 

@@ -134,7 +134,8 @@ class LlamaModel:
         lm_head = attach(self.lm_head.numpy().T, [head])
         if isinstance(lm_head, QuantLinear):
             self.lm_head_blocks = lm_head
-        if any(isinstance(t, QuantLinear) for layer in self.layers for t in layer["np"].values()):
+        if self.lm_head_blocks is not None or any(
+                isinstance(t, QuantLinear) for layer in self.layers for t in layer["np"].values()):
             self.block_rows = MAX_ROWS
 
     def _forward_numpy(
