@@ -107,14 +107,16 @@ class BlockWeight:
     kind: str  # a key of BLOCKS
     shape: tuple[int, int]  # (out, in)
 
+    def __post_init__(self) -> None:  # the C function, looked up once, not every product
+        self._fn = getattr(library(), BLOCKS[self.kind][1])
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x: [T, in] fp32 -> x @ weight.T: [T, out] fp32."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         n, k = self.shape
         y = np.empty((x.shape[0], n), dtype=np.float32)
-        getattr(_lib, BLOCKS[self.kind][1])(x.ctypes.data, x.shape[0], k,
-                                             self.blocks.ctypes.data, n, y.ctypes.data,
-                                             NUM_THREADS)
+        self._fn(x.ctypes.data, x.shape[0], k, self.blocks.ctypes.data, n, y.ctypes.data,
+                 NUM_THREADS)
         return y
 
 
