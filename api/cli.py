@@ -9,36 +9,20 @@ import time
 
 from runtime.catalogue import CATALOGUE, DEFAULT_MODEL
 
-CPU_BLAS_HELP = ("who does batched matrix products on the CPU: numpy's OpenBLAS or torch's "
-                 "MKL (auto: whichever measured faster at start-up; a lone sequence's decode "
-                 "and short prefill, and --deterministic, always use OpenBLAS)")
-DTYPE_HELP = ("float32: weights and products in fp32, logits match transformers; bfloat16: the "
-              "matrix products' weights and inputs in bf16 through oneDNN, much faster on a CPU "
-              "with AMX or AVX-512-BF16, logits within bf16 rounding of float32's")
-CPU_WEIGHTS_HELP = ("gguf: float32 products of up to 16 rows read the GGUF's own Q4_0/Q4_1/Q8_0 "
-                    "blocks (the same weight values, about a fifth of the bytes; a lone stream "
-                    "decodes about twice as fast); fp32: dequantized fp32 weights only")
+DTYPE_HELP = ("float32: kiln's CPU kernels on the GGUF's own blocks, logits match transformers, "
+              "a request's bits do not depend on its batch; bfloat16: the linear layers in bf16 "
+              "through oneDNN (a CPU with AMX or AVX-512-BF16), logits within bf16 rounding of "
+              "float32's, not bit-exact")
 
 
 def _dtype_refusal(args) -> str | None:
     import torch
 
-    from runtime.packed_linear import bf16_refusal
+    from runtime.backends.cpu.bf16 import bf16_refusal
 
     if args.dtype != "bfloat16":
         return None
-    return bf16_refusal(torch.cuda.is_available(), getattr(args, "deterministic", False))
-
-
-def _configure_threads() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    # Until runtime/cpu_blas.py says otherwise, OpenBLAS (through numpy) does the matrix
-    # products on every core and torch keeps one thread: two pools spinning against each
-    # other took 250 ms a decode step instead of 35 (bench/README.md).
-    torch.set_num_threads(1)
+    return bf16_refusal(torch.cuda.is_available())
 
 
 def _engine_config(loaded, args, **kw):
@@ -77,17 +61,12 @@ def cmd_run(args) -> int:
     from runtime.pull import PullError
     from runtime.sampling_settings import SamplingFields, SamplingSettings
 
-    _configure_threads()
     try:
         loaded = load_model(args.model, device="cuda" if _cuda() else "cpu", use_triton=_cuda(),
-                            dtype=getattr(torch, args.dtype), cpu_weights=args.cpu_weights)
+                            dtype=getattr(torch, args.dtype))
     except (PullError, ModelLoadError) as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 1
-    if not _cuda():
-        from runtime import cpu_blas
-
-        cpu_blas.configure(loaded.model, args.cpu_blas)
     engine = LLMEngine(loaded, _engine_config(loaded, args))
     settings = SamplingSettings(loaded.defaults)
     sampling = settings.admit(SamplingFields(temperature=args.temperature, seed=args.seed))
@@ -132,7 +111,6 @@ def _cuda() -> bool:
 def cmd_serve(args) -> int:
     from api.server import serve
 
-    _configure_threads()
     return serve(args)
 
 
@@ -152,12 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
-    run.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"],
-                     help=CPU_BLAS_HELP)
     run.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                      help=DTYPE_HELP)
-    run.add_argument("--cpu-weights", default="gguf", choices=["gguf", "fp32"],
-                     help=CPU_WEIGHTS_HELP)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -177,14 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sampling settings do not stick: each request starts from the "
                             "model defaults")
     serve.add_argument("--deterministic", action="store_true",
-                       help="batch-invariant numerics: a seeded or greedy request gives the "
-                            "same bits alone, batched, or from the prefix cache")
-    serve.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"],
-                       help=CPU_BLAS_HELP)
+                       help="accepted for scripts written for older kiln: on the CPU a seeded "
+                            "or greedy request gives the same bits alone, batched, or from "
+                            "the prefix cache by default")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                        help=DTYPE_HELP)
-    serve.add_argument("--cpu-weights", default="gguf", choices=["gguf", "fp32"],
-                       help=CPU_WEIGHTS_HELP)
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

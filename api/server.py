@@ -98,8 +98,9 @@ def serve(args) -> int:
     options = ServeOptions(ctx_len=args.ctx_len, prefill_chunk_len=args.prefill_chunk_len,
                            kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                            per_request_sampling=args.per_request_sampling,
-                           deterministic=args.deterministic, cpu_blas=args.cpu_blas,
-                           dtype=args.dtype, cpu_weights=args.cpu_weights)
+                           dtype=args.dtype)
+    if args.deterministic:
+        log.info("[kiln]  --deterministic: kiln's CPU kernels are batch-invariant by default")
     state = ServerState(options)
     try:
         state.load(args.model)

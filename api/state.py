@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from runtime import cpu_blas
 from runtime.catalogue import lookup
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine, LLMEngine
@@ -31,10 +30,7 @@ class ServeOptions:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 64
     per_request_sampling: bool = False
-    deterministic: bool = False
-    cpu_blas: str = "auto"  # runtime/cpu_blas.py: auto, openblas or mkl (for batches)
-    dtype: str = "float32"  # or bfloat16: packed bf16 CPU products (runtime/packed_linear.py)
-    cpu_weights: str = "gguf"  # or fp32: no GGUF-block products (runtime/quant_linear.py)
+    dtype: str = "float32"  # or bfloat16: oneDNN's bf16 products (runtime/backends/cpu/bf16.py)
 
 
 class ServerState:
@@ -58,14 +54,11 @@ class ServerState:
         cuda = torch.cuda.is_available()
         o = self.options
         loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda,
-                            dtype=getattr(torch, o.dtype), cpu_weights=o.cpu_weights)
-        if not cuda:
-            cpu_blas.configure(loaded.model, o.cpu_blas, o.deterministic)
+                            dtype=getattr(torch, o.dtype))
         config = EngineConfig.build(
             loaded.ctx_len, loaded.max_prefill_len, ctx_len=o.ctx_len,
             prefill_chunk_len=o.prefill_chunk_len, kv_cache_tokens=o.kv_cache_tokens,
             max_num_seqs=o.max_num_seqs, per_request_sampling=o.per_request_sampling,
-            deterministic=o.deterministic,
             device="cuda" if cuda else "cpu", use_triton=cuda)
         if self.engine is not None:
             self.engine.shutdown()

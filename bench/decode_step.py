@@ -1,28 +1,26 @@
-"""Time the engine's decode step at several batch sizes (no server, no HTTP).
+"""Time the engine's decode step at several batch sizes, and a cold prefill (no server).
 
     .venv/bin/python bench/decode_step.py --batch 1,16,64 --context 300 --steps 32
+    .venv/bin/python bench/decode_step.py --batch "" --prefill 2000
 
 Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
-times `steps` decode steps of the whole batch. The CPU's products and threads are set as
-`kiln serve` sets them (`--cpu-blas`, `--dtype`, `--cpu-weights`, runtime/cpu_blas.py).
-Compare two trees by running this file from each in the same session, alternating: the
-machine is shared, so only ratios mean anything.
+times `steps` decode steps of the whole batch. `--prefill N` times reading one N-token
+prompt cold, in the engine's chunks, to its first token. The model loads as `kiln serve`
+loads it (`--dtype`). Compare two trees by running this file from each in the same session,
+alternating: the machine is shared, so only ratios mean anything.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runtime import cpu_blas  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.engine import LLMEngine  # noqa: E402
 from runtime.model_loader import load_model  # noqa: E402
@@ -35,22 +33,17 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
-    ap.add_argument("--cpu-blas", default="auto", choices=["auto", "openblas", "mkl"])
+    ap.add_argument("--prefill", type=int, default=0, help="also time a cold N-token prefill")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--cpu-weights", default="gguf", choices=["gguf", "fp32"])
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype),
-                        cpu_weights=args.cpu_weights)
-    policy = cpu_blas.configure(loaded.model, args.cpu_blas, args.deterministic)
-    print(f"[decode_step]  CPU products for batches: {policy}", flush=True)
-    batches = [int(b) for b in args.batch.split(",")]
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    batches = [int(b) for b in args.batch.split(",") if b]
+    kv_tokens = max([*batches, 1]) * (args.context + args.steps + 32) * (args.repeat + 1)
     config = EngineConfig.build(loaded.ctx_len, loaded.max_prefill_len,
-                                kv_cache_tokens=max(batches) * (args.context + args.steps + 32)
-                                * (args.repeat + 1),
-                                max_num_seqs=max(batches), deterministic=args.deterministic)
+                                kv_cache_tokens=max(kv_tokens, args.prefill * (args.repeat + 1)
+                                                    + 64),
+                                max_num_seqs=max([*batches, 1]))
     engine = LLMEngine(loaded, config)
     vocab = loaded.config.vocab_size
     n = 0
@@ -75,6 +68,18 @@ def main() -> None:
                 engine.step()
             print(f"[decode_step]  batch {batch:3d} round {round_}: {dt * 1e3:8.1f} ms/step, "
                   f"{batch / dt:7.1f} tok/s", flush=True)
+    for round_ in range(args.repeat if args.prefill else 0):
+        n += 1
+        prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500 for i in range(args.prefill)]
+        req = engine.make_request(f"p{n}", prompt, SamplingParams(temperature=0.0),
+                                  max_tokens=1, ignore_eos=True)
+        engine.add_request(req)
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        dt = time.perf_counter() - t0
+        print(f"[decode_step]  prefill {args.prefill} tokens round {round_}: {dt:6.2f} s, "
+              f"{args.prefill / dt:7.1f} tok/s", flush=True)
 
 
 if __name__ == "__main__":

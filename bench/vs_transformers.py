@@ -1,8 +1,7 @@
 """kiln's own forward against transformers on the same GGUF, in one run (issue "Foundation").
 
-Reports load time (cold: dequantizing the GGUF; warm: from kiln's weight cache), prefill
-tokens/s on a ~1,000-token prompt, and single-stream greedy decode tokens/s, each beside
-transformers' figure measured in the same process. Usage:
+Reports load time, prefill tokens/s on a ~1,000-token prompt, and single-stream greedy
+decode tokens/s, each beside transformers' figure measured in the same process. Usage:
 
     .venv/bin/python bench/vs_transformers.py [--prompt-tokens 1000] [--decode-tokens 64]
 """
@@ -22,19 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def kiln_figures(path: str, prompt: list[int], n_decode: int) -> dict:
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.gguf_loader import _cache_path
     from runtime.model_loader import load_model
     from runtime.sampling_params import SamplingParams
 
-    cache = _cache_path(__import__("pathlib").Path(path))
-    if cache.exists():
-        cache.unlink()
-    t = time.perf_counter()
-    load_model(path)
-    cold = time.perf_counter() - t
     t = time.perf_counter()
     loaded = load_model(path)
-    warm = time.perf_counter() - t
+    load = time.perf_counter() - t
     engine = LLMEngine(loaded, EngineConfig.build(loaded.ctx_len, 2048, prefill_chunk_len=2048))
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.0)
     req = engine.make_request("p", prompt, greedy, max_tokens=n_decode, ignore_eos=True)
@@ -46,7 +38,7 @@ def kiln_figures(path: str, prompt: list[int], n_decode: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     decode = time.perf_counter() - t
-    return {"load_cold_s": cold, "load_warm_s": warm, "prefill_tok_s": len(prompt) / prefill,
+    return {"load_s": load, "prefill_tok_s": len(prompt) / prefill,
             "decode_tok_s": (n_decode - 1) / decode}
 
 
@@ -68,7 +60,7 @@ def transformers_figures(path: str, prompt: list[int], n_decode: int) -> dict:
             out = model(tok, past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - t
-    return {"load_cold_s": load, "load_warm_s": load, "prefill_tok_s": len(prompt) / prefill,
+    return {"load_s": load, "prefill_tok_s": len(prompt) / prefill,
             "decode_tok_s": (n_decode - 1) / decode}
 
 
@@ -83,7 +75,6 @@ def main() -> None:
 
     path = str(resolve_model(args.model)[0])
     prompt = [(7 * i + 1000) % 40000 + 100 for i in range(args.prompt_tokens)]
-    torch.set_num_threads(1)  # as `kiln serve` decodes one stream: OpenBLAS on every core
     k = kiln_figures(path, prompt, args.decode_tokens)
     torch.set_num_threads(args.threads)  # transformers' matrix products are torch's own
     h = transformers_figures(path, prompt, args.decode_tokens)

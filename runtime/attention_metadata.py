@@ -15,12 +15,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V is stored
     max_query_len: int
     max_seq_len: int
-    # Batch-invariant numerics for this forward (EngineConfig.deterministic): every layer
-    # computes a token's row the same way whatever else is in the batch.
-    deterministic: bool = False
-    # The CPU attention's per-forward plan (runtime/cpu_attention.CpuAttentionPlan), built
-    # by the first layer that needs it and shared by the rest.
-    cpu_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

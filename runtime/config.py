@@ -21,6 +21,8 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embedding_scale: float = 1.0  # the token embedding is multiplied by it (Gemma: sqrt(hidden))
     # Gemma 3
     rope_local_theta: float = 10000.0
     sliding_window: int = 0
@@ -62,11 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 0  # 0 = prefill_chunk_len + max_num_seqs
     per_request_sampling: bool = False
     device: str = "cpu"
-    dtype: str = "float32"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
-    # Batch-invariant numerics: a request's tokens and logprobs do not depend on its
-    # neighbours in the batch or on the prefix cache (kiln serve --deterministic).
-    deterministic: bool = False
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

@@ -16,7 +16,6 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-import torch
 import xgrammar as xgr
 
 from runtime.config import EngineConfig
@@ -63,14 +62,13 @@ class ReplyTails:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded, self.config = loaded, config
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  model_id=f"{loaded.path.name}:{loaded.path.stat().st_size}")
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(loaded.model, loaded.config, config, self.kv, dtype)
-        self.sampler = Sampler(torch.device(config.device), config.use_triton)
+        self.runner = ModelRunner(loaded.model, loaded.config, config, self.kv)
+        self.sampler = Sampler(self.runner.device, config.use_triton)
         self.requests: dict[str, Request] = {}
         self.reply_tails = ReplyTails(config.block_size)
         self.grammars = GrammarCompilerCache(loaded.tokenizer,

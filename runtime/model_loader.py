@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from runtime import quant_linear
+from runtime.backends import make_backend
 from runtime.catalogue import CatalogueEntry, SamplingDefaults
 from runtime.chat_template import ChatTemplate
 from runtime.config import ModelConfig
-from runtime.gguf_loader import ModelLoadError, load_tensors, open_gguf
+from runtime.gguf_loader import ModelLoadError, open_gguf
 from runtime.models import gemma3, llama
+from runtime.models.decoder import DecoderModel
 from runtime.pull import resolve_model
 from runtime.tokenizer import Tokenizer
 
@@ -33,7 +34,7 @@ class LoadedModel:
     path: Path
     entry: CatalogueEntry | None
     config: ModelConfig
-    model: object  # an architecture's model class
+    model: DecoderModel
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     load_seconds: float
@@ -57,28 +58,22 @@ class LoadedModel:
 
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               use_triton: bool = False, cpu_weights: str = "gguf") -> LoadedModel:
-    """cpu_weights: "gguf" lets the CPU's fp32 products read the GGUF's quantized blocks
-    where kiln has a kernel for them (runtime/quant_linear.py); "fp32" keeps to the
-    dequantized weights."""
+               use_triton: bool = False, backend=None) -> LoadedModel:
+    """backend: where the model runs (runtime/backends); by default the CPU kernels on a
+    CPU (bf16 products with dtype=torch.bfloat16), torch on dense weights otherwise."""
     t0 = time.perf_counter()
     path, entry = resolve_model(name)
     gf = open_gguf(path)
-    arch = ARCHITECTURES[gf.arch]
-    config = arch.read_config(gf)
-    tensors = load_tensors(gf)
-    kw = {}
-    if cpu_weights == "gguf" and getattr(arch, "READS_GGUF_BLOCKS", False) \
-            and device == "cpu" and not use_triton and dtype == torch.float32 \
-            and quant_linear.library() is not None:
-        kw["gguf_blocks"] = {t.name: t for t in gf.reader.tensors}
+    family = ARCHITECTURES[gf.arch]
+    config = family.read_config(gf)
+    backend = backend or make_backend(device, dtype, use_triton)
     try:
-        model = arch.Model(config, tensors, device, dtype, use_triton=use_triton, **kw)
-    except KeyError as exc:
-        raise ModelLoadError(path, f"missing tensor {exc}") from exc
+        model = family.build(config, gf, backend)
+    except ValueError as exc:  # a tensor type no backend kernel reads, a bad shape
+        raise ModelLoadError(path, str(exc)) from exc
     tokenizer = Tokenizer.from_gguf(gf.reader)
     template = ChatTemplate.from_gguf(gf.reader, fallback=entry.chat_template if entry else None)
     seconds = time.perf_counter() - t0
-    log.info("[kiln]  Loaded %s (%s, %d layers) in %.1f s", name, gf.arch, config.num_layers,
-             seconds)
+    log.info("[kiln]  Loaded %s (%s, %d layers, %s backend) in %.1f s", name, gf.arch,
+             config.num_layers, backend.name, seconds)
     return LoadedModel(name, Path(path), entry, config, model, tokenizer, template, seconds)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import cpu_blas
 from runtime.attention_metadata import AttentionMetadata
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache_manager import KVCacheManager
@@ -25,15 +24,15 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig,
-                 kv_manager: KVCacheManager, dtype: torch.dtype):
+                 kv_manager: KVCacheManager):
         self.model, self.model_config, self.config = model, model_config, config
         self.kv = kv_manager
-        self.device = torch.device(config.device)
+        backend = model.backend
+        self.device = backend.device
         mc = model_config
-        # One (key, value) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (config.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
+        # One (key, value) pair per layer, in the backend's layout.
+        self.kv_caches = [backend.kv_cache(config.num_blocks, config.block_size,
+                                           mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
@@ -65,7 +64,6 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(seq_lens),
-            deterministic=self.config.deterministic,
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -78,9 +76,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [S', vocab] fp32 for the rows that sample, or None if none do."""
-        if self.device.type == "cpu":
-            cpu_blas.for_batch(inp.meta.num_seqs, inp.input_ids.shape[0], inp.meta.max_seq_len)
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         if not inp.sampling_requests:
             return None
-        return self.model.compute_logits(hidden[inp.logits_indices], inp.meta.deterministic)
+        return self.model.compute_logits(hidden[inp.logits_indices])

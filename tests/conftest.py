@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-# As `kiln serve` runs on the CPU: OpenBLAS threads do the products, torch keeps one thread.
+# As `kiln serve` runs on the CPU: the kernels bring their own threads, torch keeps one.
 torch.set_num_threads(1)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -27,7 +27,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf):
-    """The default model, loaded once per test session (CPU, fp32, torch references)."""
+    """The default model, loaded once per test session (as `kiln serve` loads it on a CPU)."""
     from runtime.model_loader import load_model
 
     return load_model("smollm2:135m")
@@ -40,12 +40,11 @@ def make_engine(smollm2):
     from runtime.engine import LLMEngine
 
     def build(kv_cache_tokens: int = 16384, max_num_seqs: int = 64, ctx_len: int | None = None,
-              prefill_chunk_len: int | None = None, model=None, deterministic: bool = False):
+              prefill_chunk_len: int | None = None, model=None):
         m = model or smollm2
         cfg = EngineConfig.build(m.ctx_len, m.max_prefill_len, ctx_len=ctx_len,
                                  prefill_chunk_len=prefill_chunk_len,
-                                 kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                                 deterministic=deterministic)
+                                 kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
         return LLMEngine(m, cfg)
 
     return build

@@ -9,54 +9,30 @@ import json
 import pytest
 import torch
 from conftest import run_to_completion
+from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
-from runtime.config import EngineConfig, ModelConfig
+from runtime.backends.cpu.backend import CpuBackend
+from runtime.backends.dense import DenseBackend
+from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.grammar import GrammarSpec
-from runtime.model_loader import LoadedModel
-from runtime.models.llama import LlamaModel
+from runtime.model_loader import load_model
 from runtime.sampling_params import SamplingParams
-
-# Head size 64 is the smallest the attention kernel takes; two query heads per KV head.
-TINY = dict(arch="llama", num_layers=2, hidden_size=128, intermediate_size=256, num_heads=2,
-            num_kv_heads=1, head_dim=64, max_position=4096, rope_theta=10000.0,
-            rms_norm_eps=1e-5, tie_word_embeddings=True)
-
-
-def _tensors(vocab: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*shape, scale=0.1):
-        return torch.randn(*shape, generator=g) * scale
-
-    # Attention weights large enough that a K/V row in the wrong slot changes the logits.
-    h, inter, q, kv = 128, 256, 128, 64
-    t = {"token_embd.weight": rand(vocab, h, scale=0.3), "output_norm.weight": 1 + rand(h)}
-    for i in range(2):
-        p = f"blk.{i}."
-        t |= {p + "attn_norm.weight": 1 + rand(h), p + "ffn_norm.weight": 1 + rand(h),
-              p + "attn_q.weight": rand(q, h, scale=0.3),
-              p + "attn_k.weight": rand(kv, h, scale=0.3),
-              p + "attn_v.weight": rand(kv, h, scale=0.5), p + "attn_output.weight": rand(h, q),
-              p + "ffn_gate.weight": rand(inter, h), p + "ffn_up.weight": rand(inter, h),
-              p + "ffn_down.weight": rand(h, inter)}
-    return t
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    """(Triton engine, CPU engine) on the same tiny weights, with smollm2's tokenizer."""
-    vocab = smollm2.config.vocab_size
-    cfg = ModelConfig(vocab_size=vocab, **TINY)
-    tensors = _tensors(vocab)
+def engines(smollm2, tmp_path_factory):
+    """(Triton engine, CPU engine) on the same tiny GGUF (head size 64, the smallest the
+    attention kernel takes; two query heads per KV head), with smollm2's tokenizer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_gguf(path, "llama", llama_metadata(), llama_tensors(smollm2.config.vocab_size),
+               tokenizer_from=smollm2.path)
     built = []
-    for use_triton in (True, False):
-        model = LlamaModel(cfg, tensors, "cpu", torch.float32, use_triton=use_triton)
-        loaded = LoadedModel("tiny", smollm2.path, None, cfg, model, smollm2.tokenizer,
-                             smollm2.chat_template, 0.0)
+    for backend in (DenseBackend("cpu", use_triton=True), CpuBackend()):
+        loaded = load_model(str(path), backend=backend)
         # 512-token chunks: the 700-token prompt is prefilled in two.
         config = EngineConfig.build(4096, 512, kv_cache_tokens=4096, max_num_seqs=8,
-                                    use_triton=use_triton)
+                                    use_triton=backend.name == "dense")
         built.append(LLMEngine(loaded, config))
     return built
 

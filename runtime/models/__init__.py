@@ -1,1 +1,1 @@
-"""One module per model architecture, built from runtime/layers.py."""
+"""One module per model family (config and tensor names), and the one forward they share."""

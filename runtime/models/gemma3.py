@@ -23,19 +23,11 @@ layers keeps the prefix cache uniform.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from runtime.attention_metadata import AttentionMetadata
 from runtime.config import ModelConfig
 from runtime.gguf_loader import GGUFFile, ModelLoadError
-from runtime.layers import (
-    RotaryEmbedding,
-    gelu_tanh_and_mul,
-    linear,
-    paged_attention_layer,
-    rms_norm,
-)
-from runtime.packed_linear import PackedBf16, packs_weights, product_weight
+from runtime.models.decoder import DecoderLayer, DecoderModel
 
 # Not in Gemma 3's GGUF metadata: llama.cpp and transformers hard-code them for the arch.
 SLIDING_WINDOW_PATTERN = 6
@@ -55,7 +47,6 @@ def read_config(gf: GGUFFile) -> ModelConfig:
                                       "for gemma3 yet")
     # llama.cpp: 1/sqrt(head_dim), except the 27B model (62 layers): 1/sqrt(hidden / heads).
     query_pre_attn_scalar = hidden // num_heads if num_layers == 62 else head_dim
-    tensor_names = {t.name for t in gf.reader.tensors}
     return ModelConfig(
         arch="gemma3",
         num_layers=num_layers,
@@ -68,7 +59,10 @@ def read_config(gf: GGUFFile) -> ModelConfig:
         max_position=int(gf.arch_field("context_length")),
         rope_theta=float(gf.arch_field("rope.freq_base", 1_000_000.0)),
         rms_norm_eps=float(gf.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings=not gf.has("output.weight"),
+        activation="gelu_tanh",
+        # HF casts sqrt(hidden) to the weights' dtype (55.4256 -> 55.5 in bf16); fp32 here.
+        embedding_scale=float(np.float32(hidden ** 0.5)),
         rope_local_theta=ROPE_LOCAL_THETA,
         sliding_window=int(gf.arch_field("attention.sliding_window", 0)),
         sliding_window_pattern=SLIDING_WINDOW_PATTERN,
@@ -77,105 +71,34 @@ def read_config(gf: GGUFFile) -> ModelConfig:
     )
 
 
-class Gemma3Model:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
-                 use_triton: bool = False):
-        self.cfg, self.use_triton = cfg, use_triton
-        # bf16 on the CPU: fp32 activations, the products' weights packed for oneDNN.
-        self.cpu_bf16 = packs_weights(device, dtype, use_triton)
-        if self.cpu_bf16:
-            dtype = torch.float32
+def build(cfg: ModelConfig, gf: GGUFFile, backend) -> DecoderModel:
+    rope_global = backend.rope_table(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    rope_local = backend.rope_table(cfg.head_dim, cfg.max_position, cfg.rope_local_theta)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
 
-        def w(name: str) -> torch.Tensor:
-            return tensors[name].to(device=device, dtype=dtype).contiguous()
+        def vec(name: str, p: str = p):
+            return backend.vector(gf.vector(p + name))
 
-        def product(weight: torch.Tensor) -> torch.Tensor | PackedBf16:  # [out, in]
-            return product_weight(weight, device, dtype, self.cpu_bf16)
-
-        def norm(name: str) -> torch.Tensor:  # kept in fp32: norms run in fp32 (see _norm)
-            return tensors[name].to(device=device, dtype=torch.float32).contiguous()
-
-        self.embed = w("token_embd.weight")  # [vocab, hidden]
-        if cfg.tie_word_embeddings:  # the same tensor, or a packed bf16 copy of it
-            self.lm_head = PackedBf16(self.embed) if self.cpu_bf16 else self.embed
-        else:
-            self.lm_head = product(tensors["output.weight"])
-        # HF casts sqrt(hidden) to the weights' dtype (55.4256 -> 55.5 in bf16); so do we.
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device)
-        self.final_norm = norm("output_norm.weight")
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"blk.{i}."
-            self.layers.append({
-                "attn_norm": norm(p + "attn_norm.weight"),
-                # Q, K and V in one product: [q_size + 2 * kv_size, hidden]
-                "qkv": product(torch.cat([tensors[p + "attn_q.weight"],
-                                          tensors[p + "attn_k.weight"],
-                                          tensors[p + "attn_v.weight"]])),
-                "q_norm": norm(p + "attn_q_norm.weight"),  # [head_dim]
-                "k_norm": norm(p + "attn_k_norm.weight"),  # [head_dim]
-                "o": product(tensors[p + "attn_output.weight"]),
-                "post_attn_norm": norm(p + "post_attention_norm.weight"),
-                "ffn_norm": norm(p + "ffn_norm.weight"),
-                "gate_up": product(torch.cat([tensors[p + "ffn_gate.weight"],
-                                              tensors[p + "ffn_up.weight"]])),
-                "down": product(tensors[p + "ffn_down.weight"]),
-                "post_ffn_norm": norm(p + "post_ffw_norm.weight"),
-                "local": cfg.layer_is_local(i),
-                "sliding_window": cfg.layer_sliding_window(i),
-            })
-        self.rope_global = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
-                                           device, torch.float32)
-        self.rope_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta,
-                                          device, torch.float32)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm runs in fp32 and casts back (its activations outgrow fp16)."""
-        return rms_norm(x.float(), weight, self.cfg.rms_norm_eps).to(x.dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:  # [T, hidden]
-        cfg = self.cfg
-        T = input_ids.shape[0]
-        det = meta.deterministic
-        h = self.embed[input_ids] * self.embed_scale
-        cos_sin_local = self.rope_local.cos_sin(positions)
-        cos_sin_global = self.rope_global.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            window = layer["sliding_window"]
-            cos_sin = cos_sin_local if layer["local"] else cos_sin_global
-            x = self._norm(h, layer["attn_norm"])
-            q, k, v = linear(x, layer["qkv"], det).split(
-                [self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._norm(q.reshape(T, cfg.num_heads, cfg.head_dim), layer["q_norm"])
-            k = self._norm(k.reshape(T, cfg.num_kv_heads, cfg.head_dim), layer["k_norm"])
-            q = RotaryEmbedding.rotate(q, cos_sin).to(h.dtype)
-            k = RotaryEmbedding.rotate(k, cos_sin).to(h.dtype)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            attn = paged_attention_layer(q, k, v, kv_cache, meta, cfg.attn_scale, window,
-                                         self.use_triton, det)
-            attn = linear(attn.reshape(T, self.q_size), layer["o"], det)
-            h = h + self._norm(attn, layer["post_attn_norm"])
-            x = self._norm(h, layer["ffn_norm"])
-            gate, up = linear(x, layer["gate_up"], det).chunk(2, dim=-1)
-            mlp = linear(gelu_tanh_and_mul(gate, up), layer["down"], det)
-            h = h + self._norm(mlp, layer["post_ffn_norm"])
-        return self._norm(h, self.final_norm)
-
-    def compute_logits(self, hidden: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in fp32, soft-capped if the model asks."""
-        logits = linear(hidden, self.lm_head, deterministic).float()
-        cap = self.cfg.final_logit_softcap
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-
-Model = Gemma3Model
+        layers.append(DecoderLayer(
+            attn_norm=vec("attn_norm.weight"),
+            qkv=backend.linear([gf.weight(p + "attn_q.weight"), gf.weight(p + "attn_k.weight"),
+                                gf.weight(p + "attn_v.weight")]),
+            o=backend.linear([gf.weight(p + "attn_output.weight")]),
+            ffn_norm=vec("ffn_norm.weight"),
+            gate_up=backend.linear([gf.weight(p + "ffn_gate.weight"),
+                                    gf.weight(p + "ffn_up.weight")]),
+            down=backend.linear([gf.weight(p + "ffn_down.weight")]),
+            rope=rope_local if cfg.layer_is_local(i) else rope_global,
+            sliding_window=cfg.layer_sliding_window(i),
+            q_norm=vec("attn_q_norm.weight"),
+            k_norm=vec("attn_k_norm.weight"),
+            post_attn_norm=vec("post_attention_norm.weight"),
+            post_ffn_norm=vec("post_ffw_norm.weight"),
+        ))
+    embed = backend.embedding(gf.weight("token_embd.weight"))
+    head = None if cfg.tie_word_embeddings else gf.weight("output.weight")
+    return DecoderModel(cfg, backend, embed, layers,
+                        backend.vector(gf.vector("output_norm.weight")),
+                        backend.lm_head(embed, head))

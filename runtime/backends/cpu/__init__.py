@@ -1,0 +1,1 @@
+"""kiln's own CPU kernels (csrc/) and the backend built on them."""

@@ -1,0 +1,264 @@
+"""kiln's CPU kernels (runtime/backends/cpu/csrc) against independent oracles: the gguf
+package's dequantization (bit for bit), fp64 products of it, the torch reference of the paged
+attention (kernels/attention.py), torch's norms and activations; and their invariance: a row
+gives the same bits whatever the batch, the chunk, the thread count or the instruction set."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from kernels.attention import paged_attention_ref
+from runtime.attention_metadata import AttentionMetadata
+from runtime.backends import RopeTable
+from runtime.backends.cpu import library
+from runtime.backends.cpu.backend import CpuBackend, PackedLinear
+from runtime.backends.cpu.packing import BLOCK_BYTES, SB, pack
+from runtime.gguf_loader import WeightSource
+
+QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FLOATS = [Q.F32, Q.F16, Q.BF16]
+HAS_AVX512 = "avx512f" in library._cpu_flags().split()
+
+
+@pytest.fixture(scope="module")
+def be():
+    return CpuBackend()
+
+
+def _raw(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A GGUF tensor's rows, [rows, row bytes]: quantized by the gguf package where it can,
+    else random blocks with realistic (small, positive) fp16 scales."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)
+    if qtype == Q.F32:
+        return w.view(np.uint8)
+    if qtype == Q.F16:
+        return w.astype(np.float16).view(np.uint8)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.BF16):
+        return np.ascontiguousarray(quants.quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+    nsb = cols // SB[qtype]
+    raw = rng.integers(0, 256, size=(rows, nsb, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    d = (rng.random((rows, nsb)) * 1e-3).astype(np.float16).view(np.uint8).reshape(rows, nsb, 2)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2], raw[..., 2:4] = d, d
+    return raw.reshape(rows, -1)
+
+
+def _source(qtype, rows, cols, seed) -> WeightSource:
+    return WeightSource("w", qtype, rows, cols, _raw(qtype, rows, cols, seed))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + FLOATS, ids=lambda q: q.name)
+def test_dequantized_packed_weights_are_the_gguf_packages_bit_for_bit(be, qtype):
+    rows, cols = 40, 512  # a ragged last group of 16 rows, two K-quant super-blocks
+    src = _source(qtype, rows, cols, 0)
+    packed = pack(src.raw_bytes(), qtype, cols)
+    assert packed.shape[1] == be.lib.kiln_group_bytes(int(qtype), cols)
+    out = np.zeros((rows, cols), np.float32)
+    be.lib.kiln_dequant(int(qtype), packed.ctypes.data, rows, cols, out.ctypes.data)
+    np.testing.assert_array_equal(out.view(np.uint32), src.dequantize().view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + FLOATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 37, 250])
+def test_products_match_fp64_of_the_dequantized_weights(be, qtype, rows):
+    srcs = [_source(qtype, 96, 512, 1), _source(qtype, 40, 512, 2)]  # stacked, as qkv is
+    w = PackedLinear(srcs, None, be.lib, be.threads)
+    x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 512), np.float32))
+    y = w(x)
+    ref = x.double() @ torch.from_numpy(np.concatenate([s.dequantize() for s in srcs])).double().T
+    assert y.dtype == torch.float32 and y.shape == (rows, 136)
+    # fp32 sums of 512 products: the error of any fp32 order of additions
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+
+
+def test_mixed_types_stack_and_bias_is_added(be):
+    srcs = [_source(Q.Q5_0, 48, 256, 3), _source(Q.Q8_0, 16, 256, 4), _source(Q.Q6_K, 32, 256, 5)]
+    bias = np.random.default_rng(0).standard_normal(96).astype(np.float32)
+    w = be.linear(srcs, bias)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    dense = torch.from_numpy(np.concatenate([s.dequantize() for s in srcs]))
+    torch.testing.assert_close(w(x), F.linear(x, dense, torch.from_numpy(bias)), atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K, Q.F16], ids=lambda q: q.name)
+def test_a_row_gives_the_same_bits_whatever_the_batch_and_threads(qtype):
+    src = _source(qtype, 200, 1536, 6)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((300, 1536), np.float32))
+    two = CpuBackend(threads=2).linear([src])
+    full = two(x)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(13, 29), slice(1, 300)):
+        assert torch.equal(two(x[rows].contiguous()), full[rows])
+    one = CpuBackend(threads=1).linear([src])
+    assert torch.equal(one(x[:9].contiguous()), full[:9])
+    assert torch.equal(CpuBackend(threads=3).linear([src])(x), full)
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512 to compare with the AVX2 build")
+def test_the_avx2_build_gives_the_avx512_builds_bits():
+    src = _source(Q.Q4_K, 64, 512, 7)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(11, 192, generator=torch.Generator().manual_seed(2)) * 3
+    w = torch.rand(64) + 0.5
+
+    def outputs(backend):
+        return (backend.linear([src])(x), backend.rms_norm(h.view(33, 64), w, 1e-6),
+                backend.act_mul(h[:, :128].contiguous(), "silu"),
+                backend.act_mul(h[:, :128].contiguous(), "gelu_tanh"))
+
+    avx2, avx512 = outputs(CpuBackend(extra_flags=("-mno-avx512f",))), outputs(CpuBackend())
+    for a, b in zip(avx2, avx512, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_embedding_rows_are_the_dequantized_rows(be):
+    src = _source(Q.Q8_0, 100, 576, 8)
+    emb = be.embedding(src)
+    ids = torch.tensor([0, 99, 17, 17, 64])
+    np.testing.assert_array_equal(emb(ids).numpy(), src.dequantize()[ids.numpy()])
+
+
+# --- row-wise operations ----------------------------------------------------------------------
+
+
+def test_rms_norm_matches_torch(be):
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(0)) * 3
+    w = torch.rand(576) + 0.5
+    torch.testing.assert_close(be.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5),
+                               atol=1e-6, rtol=1e-6)
+    heads = torch.randn(5, 10, 256, generator=torch.Generator().manual_seed(1))
+    qk = heads[:, :6]  # a view, as Q and K are inside the fused product
+    want = F.rms_norm(qk, (256,), w[:256], 1e-6)
+    be.rms_norm_heads_(qk, w[:256].contiguous(), 1e-6)
+    torch.testing.assert_close(heads[:, :6], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activations_match_torch(be, activation):
+    gu = torch.randn(9, 2 * 1000, generator=torch.Generator().manual_seed(0)) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(be.act_mul(gu, activation), act * up, atol=2e-6, rtol=2e-6)
+
+
+def test_rope_matches_rotate_half(be):
+    rope = RopeTable(64, 4096, 10000.0, "cpu")
+    x = torch.randn(6, 12, 64, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 1, 5, 100, 2047, 4095])
+    cos, sin = rope.cos[pos][:, None], rope.sin[pos][:, None]
+    x1, x2 = x[..., :32], x[..., 32:]
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    be.rope_(x, pos, rope)
+    torch.testing.assert_close(x, want, atol=1e-6, rtol=1e-6)
+
+
+# --- paged attention --------------------------------------------------------------------------
+
+NB, BS = 200, 16
+
+
+def _attention_case(be, seqs, H, KVH, D, seed=0):
+    """seqs: (seq_len, query_len) each. K/V for every position are written through the
+    backend's store and also into the reference's layout; blocks are scrambled."""
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = be.kv_cache(NB, BS, KVH, D)
+    ref_k, ref_v = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
+    perm = torch.randperm(NB, generator=g).int()
+    tables = torch.zeros(len(seqs), 40, dtype=torch.int32)
+    at, qs = 0, [0]
+    for i, (L, ql) in enumerate(seqs):
+        nb = -(-L // BS)
+        tables[i, :nb] = perm[at:at + nb]
+        at += nb
+        k, v = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
+        slots = torch.tensor([int(tables[i, p // BS]) * BS + p % BS for p in range(L)])
+        ref_k.view(-1, KVH, D)[slots], ref_v.view(-1, KVH, D)[slots] = k, v
+        be.lib.kiln_store_kv(k.data_ptr(), KVH * D, v.data_ptr(), KVH * D, slots.data_ptr(), L,
+                             KVH, D, kc.data_ptr(), vc.data_ptr())
+        qs.append(qs[-1] + ql)
+    q = torch.randn(qs[-1], H, D, generator=g)
+    return q, (kc, vc), (ref_k, ref_v), tables, torch.tensor([L for L, _ in seqs],
+                                                             dtype=torch.int32), qs
+
+
+def _attend(be, q, cache, tables, seq_lens, qs, window=0):
+    """The kernel on a batch whose keys are all in the cache already."""
+    H, D = q.shape[1], q.shape[2]
+    out = torch.empty(q.shape[0], H * D)
+    query_start_loc = torch.tensor(qs, dtype=torch.int32)  # alive until the call returns
+    be.lib.kiln_attention(q.data_ptr(), H * D, D, cache[0].data_ptr(), cache[1].data_ptr(),
+                          tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+                          query_start_loc.data_ptr(), len(qs) - 1, H,
+                          cache[0].shape[1], D, D ** -0.5, window, out.data_ptr(), H * D, D,
+                          be.threads)
+    return out.view(q.shape)
+
+
+# (seq_len, query_len): a chunk after cached context, decodes, a whole prompt, one token
+MIXED = [(337, 37), (129, 1), (17, 1), (50, 50), (1, 1), (256, 1)]
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (14, 2, 64)],
+                         ids=["smollm2", "gemma3", "qwen2.5"])
+@pytest.mark.parametrize("window", [0, 24, 100])
+def test_attention_matches_the_reference_on_a_mixed_batch(be, heads, window):
+    H, KVH, D = heads
+    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(be, MIXED, H, KVH, D)
+    got = _attend(be, q, cache, tables, seq_lens, qs, window)
+    ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
+                              D ** -0.5, sliding_window=window)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_attention_rows_do_not_depend_on_chunking_or_neighbours(be, window):
+    q, cache, _, tables, seq_lens, qs = _attention_case(be, MIXED, 9, 3, 64)
+    full = _attend(be, q, cache, tables, seq_lens, qs, window)
+
+    def one(rows, table, seq_len):
+        return _attend(be, q[rows].contiguous(), cache, table[None].contiguous(),
+                       torch.tensor([seq_len], dtype=torch.int32), [0, rows.stop - rows.start],
+                       window)
+
+    # Sequence 0's chunk (positions 300..336) as a decode of its last row, of a middle row,
+    # and as a shorter chunk; a decode row alone as beside the others.
+    assert torch.equal(one(slice(36, 37), tables[0], 337)[0], full[36])
+    assert torch.equal(one(slice(10, 11), tables[0], 311)[0], full[10])
+    assert torch.equal(one(slice(20, 37), tables[0], 337), full[20:37])
+    assert torch.equal(one(slice(37, 38), tables[1], 129)[0], full[37])
+    # A whole prompt read in one chunk, against the same rows as decodes.
+    for pos in (0, 15, 16, 49):
+        assert torch.equal(one(slice(39 + pos, 40 + pos), tables[3], pos + 1)[0], full[39 + pos])
+
+
+def test_backend_attention_stores_through_the_slot_mapping(be):
+    """The backend's attention() writes this step's K/V where the slot mapping says (-1:
+    nowhere) and then reads them back."""
+    H, KVH, D = 4, 2, 64
+    kc, vc = be.kv_cache(8, BS, KVH, D)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, (H + 2 * KVH) * D, generator=g)
+    q = qkv[:, :H * D].view(3, H, D)
+    k = qkv[:, H * D:(H + KVH) * D].view(3, KVH, D)
+    v = qkv[:, (H + KVH) * D:].view(3, KVH, D)
+    table = torch.tensor([[5, 2]], dtype=torch.int32)
+    slots = torch.tensor([5 * 16 + 0, 5 * 16 + 1, 5 * 16 + 2])
+    meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
+                             torch.tensor([3], dtype=torch.int32), table, slots, 3, 3)
+    out = be.attention(q, k, v, (kc, vc), meta, D ** -0.5, 0)
+    assert torch.equal(kc[5, :, :, :3].permute(2, 0, 1), k)
+    assert torch.equal(vc[5, :, :3].permute(1, 0, 2), v)
+    assert kc[2].abs().sum() == 0 and vc[:5].abs().sum() == 0
+    ref_k, ref_v = torch.zeros(8, BS, KVH, D), torch.zeros(8, BS, KVH, D)
+    ref_k[5, :3], ref_v[5, :3] = k, v
+    ref = paged_attention_ref(q, ref_k, ref_v, table, meta.seq_lens, meta.query_start_loc,
+                              D ** -0.5)
+    torch.testing.assert_close(out.view(3, H, D), ref, atol=2e-6, rtol=1e-5)
