@@ -69,12 +69,14 @@ def test_dequantized_packed_weights_are_the_gguf_packages_bit_for_bit(be, qtype)
 @pytest.mark.parametrize("qtype", QUANTIZED + FLOATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 37, 250])
 def test_products_match_fp64_of_the_dequantized_weights(be, qtype, rows):
-    srcs = [_source(qtype, 96, 512, 1), _source(qtype, 40, 512, 2)]  # stacked, as qkv is
+    # stacked, as qkv is; 19 groups of 16 rows: decode steps (1 or 2 rows) take their first 16
+    # through the fused path, the rest through the tiles, as prefill chunks do
+    srcs = [_source(qtype, 256, 512, 1), _source(qtype, 40, 512, 2)]
     w = PackedLinear(srcs, None, be.lib, be.threads)
     x = torch.from_numpy(np.random.default_rng(rows).standard_normal((rows, 512), np.float32))
     y = w(x)
     ref = x.double() @ torch.from_numpy(np.concatenate([s.dequantize() for s in srcs])).double().T
-    assert y.dtype == torch.float32 and y.shape == (rows, 136)
+    assert y.dtype == torch.float32 and y.shape == (rows, 296)
     # fp32 sums of 512 products: the error of any fp32 order of additions
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
 
@@ -91,11 +93,11 @@ def test_mixed_types_stack_and_bias_is_added(be):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K, Q.F16], ids=lambda q: q.name)
 def test_a_row_gives_the_same_bits_whatever_the_batch_and_threads(qtype):
-    src = _source(qtype, 200, 1536, 6)
+    src = _source(qtype, 600, 1536, 6)  # enough groups for the fused decode path
     x = torch.from_numpy(np.random.default_rng(3).standard_normal((300, 1536), np.float32))
     two = CpuBackend(threads=2).linear([src])
     full = two(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(13, 29), slice(1, 300)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 5), slice(0, 7), slice(13, 29), slice(1, 300)):
         assert torch.equal(two(x[rows].contiguous()), full[rows])
     one = CpuBackend(threads=1).linear([src])
     assert torch.equal(one(x[:9].contiguous()), full[:9])
@@ -104,13 +106,14 @@ def test_a_row_gives_the_same_bits_whatever_the_batch_and_threads(qtype):
 
 @pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512 to compare with the AVX2 build")
 def test_the_avx2_build_gives_the_avx512_builds_bits():
-    src = _source(Q.Q4_K, 64, 512, 7)
+    src = _source(Q.Q4_K, 320, 512, 7)  # 20 groups: decode rows take the fused path
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(1))
     h = torch.randn(11, 192, generator=torch.Generator().manual_seed(2)) * 3
     w = torch.rand(64) + 0.5
 
     def outputs(backend):
-        return (backend.linear([src])(x), backend.rms_norm(h.view(33, 64), w, 1e-6),
+        linear = backend.linear([src])
+        return (linear(x), linear(x[:1]), backend.rms_norm(h.view(33, 64), w, 1e-6),
                 backend.act_mul(h[:, :128].contiguous(), "silu"),
                 backend.act_mul(h[:, :128].contiguous(), "gelu_tanh"))
 

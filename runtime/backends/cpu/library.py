@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger("kiln")
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {

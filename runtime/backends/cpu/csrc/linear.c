@@ -14,10 +14,11 @@
  * the instruction set never change that chain, so a row's output is the same bits alone or
  * in any batch. K is never split.
  *
- * Work: threads share out the groups; each dequantizes KC k of NG groups into a buffer in
- * L1 (once for all rows of an M block) and runs the MR x NG tile over it. */
-#include <omp.h>
+ * Work: threads (pool.h) share out the groups; each dequantizes KC k of NG groups into a
+ * buffer in L1 (once for all rows of an M block) and runs the MR x NG tile over it. */
 #include <stdlib.h>
+
+#include "pool.h"
 #include "simd.h"
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
@@ -54,23 +55,6 @@ int64_t kiln_group_bytes(int type, int64_t K) {
 
 INLINE vf vf_f16x16(const uint8_t *p) { return vf_load_f16((const uint16_t *)p); }
 
-/* Two k from a byte plane (k0 in the low nibbles, k1 in the high), plus their top bits, ->
- * o[0..15] and o[os..os + 15]. Affine types: q * scale + off (one rounding, as numpy's
- * d * q + m); the others (q - bias) * scale, as the gguf package computes them, zero signs
- * included. */
-INLINE void put_pair(const uint8_t *lo, vi hi0, vi hi1, vf scale, vf off, int bias, float *o,
-                     int64_t os) {
-    const vi v = vi_load_u8(lo);
-    const vi q0 = vi_or(vi_and(v, vi_set1(15)), hi0), q1 = vi_or(vi_srli(v, 4), hi1);
-    if (bias) {
-        vf_store(o, vf_mul(vf_from_i(vi_add(q0, vi_set1(-bias))), scale));
-        vf_store(o + os, vf_mul(vf_from_i(vi_add(q1, vi_set1(-bias))), scale));
-    } else {
-        vf_store(o, vf_fma(vf_from_i(q0), scale, off));
-        vf_store(o + os, vf_fma(vf_from_i(q1), scale, off));
-    }
-}
-
 /* bit r of a 16-bit word (Q5's fifth bits) -> 16 in lane r */
 INLINE vi hi1_bits(const uint8_t *p) {
     uint16_t h;
@@ -85,82 +69,127 @@ INLINE vi hi2_bits(const uint8_t *p) {
     return vi_slli(vi_and(vi_srlv(vi_set1((int)h), shift), vi_set1(3)), 4);
 }
 
+/* What the weights of one group's 32 k starting at a multiple of 32 need: their scales and
+ * where their quants are. */
+typedef struct {
+    vf scale[2];          /* Q6_K's second 16 k have a scale of their own */
+    vf off;               /* affine types: w = q * scale + off */
+    int bias;             /* the others: w = (q - bias) * scale */
+    const uint8_t *planes; /* pair p of k in 16 bytes at planes + 16 p */
+    const uint8_t *hi;    /* the fifth bits (u16 per k) or Q6_K's top two (u32 per k) */
+    const uint8_t *raw;   /* float types and Q8_0: 16 values per k */
+} span;
+
+INLINE void span_of(const int type, const uint8_t *g, int64_t k, span *s) {
+    const int64_t sbl = sb_len(type);
+    const uint8_t *sb = g + (k / sbl) * sb_bytes(type);
+    const int64_t in = k % sbl; /* k's place in its super-block */
+    s->off = vf_zero();
+    s->bias = 0;
+    s->hi = NULL;
+    switch (type) {
+    case F32: s->raw = g + k * 64; break;
+    case F16: case BF16: s->raw = g + k * 32; break;
+    case Q8_0:
+        s->scale[0] = vf_f16x16(sb);
+        s->raw = sb + 32;
+        break;
+    case Q4_0: case Q4_1: case Q5_0:
+        s->scale[0] = vf_f16x16(sb);
+        if (type == Q4_1) s->off = vf_f16x16(sb + 32);
+        s->bias = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+        s->planes = sb + (type == Q4_0 ? 32 : type == Q4_1 ? 64 : 96);
+        if (type == Q5_0) s->hi = sb + 32;
+        break;
+    case Q4_K: case Q5_K: {
+        const int j = (int)(in / 32);
+        s->scale[0] = vf_mul(vf_f16x16(sb), vf_from_i(vi_load_u8(sb + 64 + 16 * j)));
+        s->off = vf_sub(vf_zero(), vf_mul(vf_f16x16(sb + 32), vf_from_i(vi_load_u8(sb + 192 + 16 * j))));
+        s->planes = sb + 320 + in / 2 * 16;
+        if (type == Q5_K) s->hi = sb + 2368 + in * 2;
+        break;
+    }
+    case Q6_K: {
+        const vf d = vf_f16x16(sb);
+        for (int h = 0; h < 2; h++)
+            s->scale[h] = vf_mul(d, vf_from_i(vi_load_s8((const int8_t *)sb + 32 + in + 16 * h)));
+        s->bias = 32;
+        s->planes = sb + 288 + in / 2 * 16;
+        s->hi = sb + 2336 + in * 4;
+        break;
+    }
+    }
+}
+
+/* the weights of k = 2p and 2p + 1 of a span: the gguf package's values, bit for bit
+ * (affine: one rounding, as numpy's d * q + m; the others exact, zero signs included) */
+INLINE void span_pair(const int type, const span *s, int p, vf *w0, vf *w1) {
+    switch (type) {
+    case F32:
+        *w0 = vf_load((const float *)s->raw + 32 * p);
+        *w1 = vf_load((const float *)s->raw + 32 * p + 16);
+        return;
+    case F16:
+        *w0 = vf_f16x16(s->raw + 64 * p);
+        *w1 = vf_f16x16(s->raw + 64 * p + 32);
+        return;
+    case BF16:
+        *w0 = vf_cast_i(vi_slli(vi_load_u16((const uint16_t *)(s->raw + 64 * p)), 16));
+        *w1 = vf_cast_i(vi_slli(vi_load_u16((const uint16_t *)(s->raw + 64 * p + 32)), 16));
+        return;
+    case Q8_0:
+        *w0 = vf_mul(vf_from_i(vi_load_s8((const int8_t *)s->raw + 32 * p)), s->scale[0]);
+        *w1 = vf_mul(vf_from_i(vi_load_s8((const int8_t *)s->raw + 32 * p + 16)), s->scale[0]);
+        return;
+    }
+    const vi v = vi_load_u8(s->planes + 16 * p);
+    vi q0 = vi_and(v, vi_set1(15)), q1 = vi_srli(v, 4);
+    if (type == Q5_0 || type == Q5_K) {
+        q0 = vi_or(q0, hi1_bits(s->hi + 4 * p));
+        q1 = vi_or(q1, hi1_bits(s->hi + 4 * p + 2));
+    } else if (type == Q6_K) {
+        q0 = vi_or(q0, hi2_bits(s->hi + 8 * p));
+        q1 = vi_or(q1, hi2_bits(s->hi + 8 * p + 4));
+    }
+    const vf scale = type == Q6_K ? s->scale[p >= 8] : s->scale[0];
+    if (type == Q4_1 || type == Q4_K || type == Q5_K) {
+        *w0 = vf_fma(vf_from_i(q0), scale, s->off);
+        *w1 = vf_fma(vf_from_i(q1), scale, s->off);
+    } else {
+        *w0 = vf_mul(vf_from_i(vi_add(q0, vi_set1(-s->bias))), scale);
+        *w1 = vf_mul(vf_from_i(vi_add(q1, vi_set1(-s->bias))), scale);
+    }
+}
+
+INLINE void dequant_t(const int type, const uint8_t *g, int64_t k0, int64_t k1, float *o,
+                      int64_t os) {
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+        span s;
+        span_of(type, g, k, &s);
+        for (int p = 0; p < 16; p++, o += 2 * os) {
+            vf w0, w1;
+            span_pair(type, &s, p, &w0, &w1);
+            vf_store(o, w0);
+            vf_store(o + os, w1);
+        }
+    }
+    for (; k < k1; k++, o += os) {  /* float types: K need not be a multiple of 32 */
+        if (type == F32) vf_store(o, vf_load((const float *)(g + k * 64)));
+        else if (type == F16) vf_store(o, vf_f16x16(g + k * 32));
+        else vf_store(o, vf_cast_i(vi_slli(vi_load_u16((const uint16_t *)(g + k * 32)), 16)));
+    }
+}
+
+#define FOR_TYPES(X) X(F32) X(F16) X(BF16) X(Q4_0) X(Q4_1) X(Q5_0) X(Q8_0) X(Q4_K) X(Q5_K) X(Q6_K)
+
 /* One group's weights for k in [k0, k1) (on 32-boundaries for quantized types) into
- * o[(k - k0) * os + lane]: the gguf package's values, bit for bit. */
+ * o[(k - k0) * os + lane]. */
 static void dequant(int type, const uint8_t *g, int64_t k0, int64_t k1, float *o, int64_t os) {
-    const int64_t sbl = sb_len(type), sbb = sb_bytes(type);
-    const vi zero = vi_set1(0);
-    for (int64_t k = k0; k < k1;) {
-        const uint8_t *sb = g + (k / sbl) * sbb;
-        const int64_t in = k % sbl;  /* k's place in its super-block */
-        switch (type) {
-        case F32:
-            vf_store(o, vf_load((const float *)sb));
-            k++, o += os;
-            break;
-        case F16:
-            vf_store(o, vf_f16x16(sb));
-            k++, o += os;
-            break;
-        case BF16:
-            vf_store(o, vf_cast_i(vi_slli(vi_load_u16((const uint16_t *)sb), 16)));
-            k++, o += os;
-            break;
-        case Q8_0: {
-            const vf d = vf_f16x16(sb);
-            for (int j = 0; j < 32; j++, o += os)
-                vf_store(o, vf_mul(vf_from_i(vi_load_s8((const int8_t *)sb + 32 + 16 * j)), d));
-            k += 32;
-            break;
-        }
-        case Q4_0: case Q4_1: case Q5_0: {
-            const vf d = vf_f16x16(sb);
-            const vf off = type == Q4_1 ? vf_f16x16(sb + 32) : vf_zero();
-            const int bias = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-            const uint8_t *planes = sb + (type == Q4_0 ? 32 : type == Q4_1 ? 64 : 96);
-            for (int p = 0; p < 16; p++, o += 2 * os) {
-                vi h0 = zero, h1 = zero;
-                if (type == Q5_0) h0 = hi1_bits(sb + 32 + 4 * p), h1 = hi1_bits(sb + 34 + 4 * p);
-                put_pair(planes + 16 * p, h0, h1, d, off, bias, o, os);
-            }
-            k += 32;
-            break;
-        }
-        case Q4_K: case Q5_K: {
-            const int j = (int)(in / 32);
-            const vf d = vf_f16x16(sb), dmin = vf_f16x16(sb + 32);
-            const vf scale = vf_mul(d, vf_from_i(vi_load_u8(sb + 64 + 16 * j)));
-            const vf off = vf_sub(vf_zero(), vf_mul(dmin, vf_from_i(vi_load_u8(sb + 192 + 16 * j))));
-            const uint8_t *planes = sb + 320 + in / 2 * 16;
-            for (int p = 0; p < 16; p++, o += 2 * os) {
-                vi h0 = zero, h1 = zero;
-                if (type == Q5_K) {
-                    const uint8_t *hb = sb + 2368 + (in + 2 * p) * 2;
-                    h0 = hi1_bits(hb), h1 = hi1_bits(hb + 2);
-                }
-                put_pair(planes + 16 * p, h0, h1, scale, off, 0, o, os);
-            }
-            k += 32;
-            break;
-        }
-        case Q6_K: {
-            const vf d = vf_f16x16(sb);
-            for (int half = 0; half < 2; half++) {
-                const int64_t kk = in + 16 * half;
-                const vf scale = vf_mul(d, vf_from_i(vi_load_s8((const int8_t *)sb + 32 + kk)));
-                for (int p = 0; p < 8; p++, o += 2 * os) {
-                    const int64_t kp = kk + 2 * p;
-                    const uint8_t *hb = sb + 2336 + kp * 4;
-                    put_pair(sb + 288 + kp / 2 * 16, hi2_bits(hb), hi2_bits(hb + 4), scale,
-                             vf_zero(), 32, o, os);
-                }
-            }
-            k += 32;
-            break;
-        }
-        default:
-            return;
-        }
+    switch (type) {
+#define X(t) case t: dequant_t(t, g, k0, k1, o, os); return;
+    FOR_TYPES(X)
+#undef X
     }
 }
 
@@ -176,20 +205,36 @@ void kiln_dequant(int type, const uint8_t *w, int64_t N, int64_t K, float *out) 
     free(buf);
 }
 
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t K;
+    const int64_t *ids;
+    int64_t T;
+    float *out;
+} embed_args;
+
+static void embed_task(void *ctx, int tid, int nt) {
+    const embed_args *a = ctx;
+    const int64_t gb = kiln_group_bytes(a->type, a->K), KC = 256;
+    float buf[256 * 16] __attribute__((aligned(64)));
+    int64_t t0, t1;
+    kiln_share(a->T, tid, nt, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t g = a->ids[t] / 16, r = a->ids[t] % 16;
+        for (int64_t k0 = 0; k0 < a->K; k0 += KC) {
+            const int64_t k1 = k0 + KC < a->K ? k0 + KC : a->K;
+            dequant(a->type, a->w + g * gb, k0, k1, buf, 16);
+            for (int64_t k = k0; k < k1; k++) a->out[t * a->K + k] = buf[(k - k0) * 16 + r];
+        }
+    }
+}
+
 /* Rows ids[0..T) of W (an embedding table) -> out [T, K] */
 void kiln_embed(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t T,
                 float *out, int nthreads) {
-    const int64_t gb = kiln_group_bytes(type, K), KC = 256;
-#pragma omp parallel for num_threads(nthreads) if (T > 32) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        float buf[256 * 16] __attribute__((aligned(64)));
-        const int64_t g = ids[t] / 16, r = ids[t] % 16;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t k1 = k0 + KC < K ? k0 + KC : K;
-            dequant(type, w + g * gb, k0, k1, buf, 16);
-            for (int64_t k = k0; k < k1; k++) out[t * K + k] = buf[(k - k0) * 16 + r];
-        }
-    }
+    embed_args a = {type, w, K, ids, T, out};
+    kiln_parallel(embed_task, &a, T > 32 ? nthreads : 1);
 }
 
 #if defined(__AVX512F__)
@@ -201,6 +246,9 @@ void kiln_embed(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64
 #endif
 #define KC 128   /* k dequantized at a time: NG x KC x 16 floats (32 KB) stay in L1 */
 #define MC 240   /* rows of x read per pass over a group's dequantized weights */
+#ifndef PF_GROUPS
+#define PF_GROUPS (3 * NG) /* prefetch the groups three tiles ahead (measured best at 2-4) */
+#endif
 
 /* y[0..mr)[16 ng] over k in [0, kc), the accumulators starting at 0 or from y */
 INLINE void tile(const float *x, int64_t ldx, const float *buf, int64_t kc, float *y,
@@ -245,33 +293,115 @@ static void tile_any(const float *x, int64_t ldx, const float *buf, int64_t kc, 
     }
 }
 
-/* x [M, K] (row stride ldx) -> y [M, N] (row stride ldy); bias [N] or NULL */
-void kiln_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
-                 int type, int64_t N, const float *bias, float *y, int64_t ldy, int nthreads) {
-    const int64_t G = (N + 15) / 16, gb = kiln_group_bytes(type, K);
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t g0 = G * tid / nt, g1 = G * (tid + 1) / nt;
-        float buf[KC * NG * 16] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
-            const int64_t m1 = m0 + MC < M ? m0 + MC : M;
-            for (int64_t g = g0; g < g1; g += NG) {
-                const int ng = (int)(g1 - g < NG ? g1 - g : NG);
-                const int64_t ncols = N - g * 16 < ng * 16 ? N - g * 16 : ng * 16;
-                const int nlast = (int)(ncols - (ng - 1) * 16);
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    for (int j = 0; j < ng; j++)
-                        dequant(type, w + (g + j) * gb, k0, k0 + kc, buf + 16 * j, 16 * ng);
-                    for (int64_t m = m0; m < m1; m += MR)
-                        tile_any(x + m * ldx + k0, ldx, buf, kc, y + m * ldy + 16 * g, ldy,
-                                 (int)(m1 - m < MR ? m1 - m : MR), ng, k0 == 0, nlast);
+/* Decode steps (M <= 2): the weights go from their blocks straight into the fmas, NGD groups
+ * at a time (NGD chains of fmas per row). Each y[i][n] is the same chain of fmas in k as in
+ * the tiles above, over the same dequantized values: the same bits. */
+#define NGD 8
+INLINE void fused_t(const int type, const float *x, int64_t ldx, const uint8_t *w, int64_t gb,
+                    int64_t K, float *y, int64_t ldy, const int mr, int64_t prefetch_groups) {
+    const int64_t sbl = sb_len(type), sbb = sb_bytes(type);
+    const int64_t span_bytes = sbl == 1 ? 32 * sbb : sbb * 32 / sbl;
+    vf acc[2][NGD];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NGD; j++) acc[i][j] = vf_zero();
+    for (int64_t k = 0; k < K; k += 32) {
+        span sp[NGD];
+        for (int j = 0; j < NGD; j++) span_of(type, w + j * gb, k, &sp[j]);
+        const int64_t at = sbl == 1 ? k * sbb : k / sbl * sbb + (k % sbl) * sbb / sbl;
+        for (int64_t j = 0; j < prefetch_groups; j++)
+            for (int64_t off = 0; off < span_bytes; off += 64)
+                __builtin_prefetch(w + (NGD * PF_GROUPS / NG + j) * gb + at + off);
+        for (int p = 0; p < 16; p++) {
+            vf x0[2], x1[2];
+            for (int i = 0; i < mr; i++)
+                x0[i] = vf_set1(x[i * ldx + k + 2 * p]), x1[i] = vf_set1(x[i * ldx + k + 2 * p + 1]);
+            for (int j = 0; j < NGD; j++) {
+                vf w0, w1;
+                span_pair(type, &sp[j], p, &w0, &w1);
+                for (int i = 0; i < mr; i++) {
+                    acc[i][j] = vf_fma(x0[i], w0, acc[i][j]);
+                    acc[i][j] = vf_fma(x1[i], w1, acc[i][j]);
                 }
-                if (bias)
-                    for (int64_t m = m0; m < m1; m++)
-                        for (int64_t n = 16 * g; n < 16 * g + ncols; n++) y[m * ldy + n] += bias[n];
             }
         }
     }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NGD; j++) vf_store(y + i * ldy + 16 * j, acc[i][j]);
+}
+
+/* NGD whole groups from w (16 * NGD columns of y) for M = mr rows */
+static void fused(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t gb, int64_t K,
+                  float *y, int64_t ldy, int mr, int64_t prefetch_groups) {
+    switch (type * 2 + mr - 1) {
+#define X(t)                                                                            \
+    case t * 2: fused_t(t, x, ldx, w, gb, K, y, ldy, 1, prefetch_groups); return;      \
+    case t * 2 + 1: fused_t(t, x, ldx, w, gb, K, y, ldy, 2, prefetch_groups); return;
+    FOR_TYPES(X)
+#undef X
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t M, K, ldx;
+    const uint8_t *w;
+    int type;
+    int64_t N;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+} linear_args;
+
+static void linear_task(void *ctx, int tid, int nt) {
+    const linear_args *a = ctx;
+    const float *x = a->x;
+    const int64_t M = a->M, K = a->K, N = a->N, ldx = a->ldx, ldy = a->ldy;
+    const int64_t gb = kiln_group_bytes(a->type, K);
+    int64_t g0, g1;
+    kiln_share((N + 15) / 16, tid, nt, &g0, &g1);
+    float buf[KC * NG * 16] __attribute__((aligned(64)));
+    if (M <= 2 && K % 32 == 0) {  /* whole tiles of NGD groups fused; the rest below */
+        for (; g0 + NGD <= g1 && (g0 + NGD) * 16 <= N; g0 += NGD) {
+            const int64_t ahead = g1 - (g0 + NGD * PF_GROUPS / NG);
+            fused(a->type, x, ldx, a->w + g0 * gb, gb, K, a->y + 16 * g0, ldy, (int)M,
+                  ahead < 0 ? 0 : ahead < NGD ? ahead : NGD);
+            if (a->bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t n = 16 * g0; n < 16 * (g0 + NGD); n++) a->y[m * ldy + n] += a->bias[n];
+        }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t m1 = m0 + MC < M ? m0 + MC : M;
+        for (int64_t g = g0; g < g1; g += NG) {
+            const int ng = (int)(g1 - g < NG ? g1 - g : NG);
+            const int64_t ncols = N - g * 16 < ng * 16 ? N - g * 16 : ng * 16;
+            const int nlast = (int)(ncols - (ng - 1) * 16);
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                /* the same k of the next NG groups, while these are dequantized: a decode
+                 * step's products are bound by reading the weights */
+                const int64_t sbl = sb_len(a->type), cb = (kc + sbl - 1) / sbl * sb_bytes(a->type);
+                for (int64_t j = g + PF_GROUPS; j < g + PF_GROUPS + NG && j < g1; j++) {
+                    const uint8_t *p = a->w + j * gb + k0 / sbl * sb_bytes(a->type);
+                    for (int64_t off = 0; off < cb; off += 64) __builtin_prefetch(p + off);
+                }
+                for (int j = 0; j < ng; j++)
+                    dequant(a->type, a->w + (g + j) * gb, k0, k0 + kc, buf + 16 * j, 16 * ng);
+                for (int64_t m = m0; m < m1; m += MR)
+                    tile_any(x + m * ldx + k0, ldx, buf, kc, a->y + m * ldy + 16 * g, ldy,
+                             (int)(m1 - m < MR ? m1 - m : MR), ng, k0 == 0, nlast);
+            }
+            if (a->bias)
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t n = 16 * g; n < 16 * g + ncols; n++)
+                        a->y[m * ldy + n] += a->bias[n];
+        }
+    }
+}
+
+/* x [M, K] (row stride ldx) -> y [M, N] (row stride ldy); bias [N] or NULL */
+void kiln_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                 int type, int64_t N, const float *bias, float *y, int64_t ldy, int nthreads) {
+    linear_args a = {x, M, K, ldx, w, type, N, bias, y, ldy};
+    kiln_parallel(linear_task, &a, nthreads);
 }
