@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import BLOCK_SIZE
-from kernels.attention import paged_attention, paged_attention_ref
+from kiln.kernels import BLOCK_SIZE
+from kiln.kernels.attention import paged_attention, paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # bf16 is slow on the dev CPU

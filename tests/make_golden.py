@@ -56,7 +56,7 @@ class GoldenSet:
 
 
 def golden_sets() -> dict[str, GoldenSet]:
-    from runtime.catalogue import GEMMA_CHAT_TEMPLATE
+    from kiln.runtime.catalogue import GEMMA_CHAT_TEMPLATE
 
     return {
         "smollm2:135m": GoldenSet(PROMPTS, [NUM_GREEDY] * len(PROMPTS)),
@@ -110,7 +110,7 @@ if __name__ == "__main__":
     if args.gguf:
         path = args.gguf
     else:
-        from runtime.pull import ensure_model
+        from kiln.runtime.pull import ensure_model
 
         path = str(ensure_model(args.model))
     main(path, sets[args.model])

@@ -10,12 +10,12 @@ import pytest
 import torch
 from paged import PagedSequence
 
-from runtime.backends.cpu.bf16 import PackedBf16, bf16_refusal, bf16_supported
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.gguf_loader import WeightSource
-from runtime.model_loader import load_model
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.backends.cpu.bf16 import PackedBf16, bf16_refusal, bf16_supported
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine import LLMEngine
+from kiln.runtime.gguf_loader import WeightSource
+from kiln.runtime.model_loader import load_model
+from kiln.runtime.sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden"
 # bf16 rounding moves a logit by at most about 0.26 here (measured on the golden prompts): a

@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.block_pool import BlockPool
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.block_pool import BlockPool
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
 
 BS = 16
 

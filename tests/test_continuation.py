@@ -4,9 +4,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from api.continuation import continuation_prompt
-from runtime.catalogue import GEMMA_CHAT_TEMPLATE
-from runtime.errors import InvalidRequestError
+from kiln.api.continuation import continuation_prompt
+from kiln.runtime.catalogue import GEMMA_CHAT_TEMPLATE
+from kiln.runtime.errors import InvalidRequestError
 
 # A template that writes content exactly as sent, and one that trims it (like Gemma's).
 PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

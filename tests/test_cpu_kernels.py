@@ -1,4 +1,4 @@
-"""kiln's CPU kernels (runtime/backends/cpu/csrc) against independent oracles: the gguf
+"""kiln's CPU kernels (kiln/runtime/backends/cpu/csrc) against independent oracles: the gguf
 package's dequantization (bit for bit), fp64 products of it, the torch reference of the paged
 attention (kernels/attention.py), torch's norms and activations; and their invariance: a row
 gives the same bits whatever the batch, the chunk, the thread count or the instruction set."""
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from kernels.attention import paged_attention_ref
-from runtime.attention_metadata import AttentionMetadata
-from runtime.backends import RopeTable
-from runtime.backends.cpu import library
-from runtime.backends.cpu.backend import CpuBackend, PackedLinear
-from runtime.backends.cpu.packing import BLOCK_BYTES, SB, pack
-from runtime.gguf_loader import WeightSource
+from kiln.kernels.attention import paged_attention_ref
+from kiln.runtime.attention_metadata import AttentionMetadata
+from kiln.runtime.backends import RopeTable
+from kiln.runtime.backends.cpu import library
+from kiln.runtime.backends.cpu.backend import CpuBackend, PackedLinear
+from kiln.runtime.backends.cpu.packing import BLOCK_BYTES, SB, pack
+from kiln.runtime.gguf_loader import WeightSource
 
 QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 FLOATS = [Q.F32, Q.F16, Q.BF16]

@@ -1,11 +1,11 @@
-"""runtime.detokenizer: streamed text equals Tokenizer.decode of the whole sequence."""
+"""kiln.runtime.detokenizer: streamed text equals Tokenizer.decode of the whole sequence."""
 
 import random
 
 import pytest
 
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.tokenizer import Tokenizer
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.tokenizer import Tokenizer
 
 MULTIBYTE = [
     "😀", "👍🏽 thumbs", "👨‍👩‍👧‍👦 family", "🇫🇷🇯🇵🇧🇷", "I ❤️ Zürich", "🤖🚀🔥🎉", "a😀b😃c",

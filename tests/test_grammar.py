@@ -1,4 +1,4 @@
-"""runtime/grammar.py: specs, the compile cache, per-request matchers and the batch bitmask,
+"""kiln/runtime/grammar.py: specs, the compile cache, per-request matchers and the batch bitmask,
 with SmolLM2's real vocabulary. Oracles: the token texts themselves (a mask that allows `{`
 must allow only tokens a JSON object can start with) and jsonschema for the instances."""
 
@@ -8,9 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from runtime.errors import InvalidRequestError
-from runtime.grammar import GrammarCompilerCache, GrammarSpec, GrammarState, build_grammar_bitmask
-from runtime.tokenizer import Tokenizer
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.grammar import (
+    GrammarCompilerCache,
+    GrammarSpec,
+    GrammarState,
+    build_grammar_bitmask,
+)
+from kiln.runtime.tokenizer import Tokenizer
 
 V = 49152  # SmolLM2's vocabulary and logits width
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from kernels import BLOCK_SIZE
-from kernels.kv_cache import store_kvcache, store_kvcache_ref
+from kiln.kernels import BLOCK_SIZE
+from kiln.kernels.kv_cache import store_kvcache, store_kvcache_ref
 
 SENTINEL = 7.0  # outside randn's range at any of the dtypes
 

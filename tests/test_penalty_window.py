@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.penalty_window import window_tokens
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.penalty_window import window_tokens
+from kiln.runtime.sampling_params import SamplingParams
 
 
 def grow(n, tokens, carried=()):

@@ -2,11 +2,11 @@
 
 import logging
 
-from runtime.config import EngineConfig
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, prefill_chunk_plan
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler, prefill_chunk_plan
 
 
 def _run_prefill(sched: Scheduler, req: Request) -> list[int]:

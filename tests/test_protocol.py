@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from api.errors import error_response
-from api.protocol import (
+from kiln.api.errors import error_response
+from kiln.api.protocol import (
     ChatMessage,
     ResponseFormat,
     ToolCall,
@@ -15,13 +15,13 @@ from api.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from runtime.errors import (
+from kiln.runtime.errors import (
     ContextLengthError,
     InternalServerError,
     InvalidRequestError,
     ModelNotFoundError,
 )
-from runtime.sampling_settings import SamplingFields
+from kiln.runtime.sampling_settings import SamplingFields
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -12,7 +12,7 @@ from conftest import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import (
+from kiln.kernels.sampling import (
     SamplingMetadata,
     _uniform,
     philox_uniform_ref,

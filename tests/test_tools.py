@@ -1,4 +1,4 @@
-"""api/tools.py: what tools / tool_choice / response_format mean, the tool-call grammar with
+"""kiln/api/tools.py: what tools / tool_choice / response_format mean, the tool-call grammar with
 SmolLM2's real vocabulary, and tool calls read back out of text, streamed or not."""
 
 import json
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from api.protocol import parse_chat_request
-from api.tools import (
+from kiln.api.protocol import parse_chat_request
+from kiln.api.tools import (
     HERMES,
     SMOLLM2,
     ToolCallParser,
@@ -17,10 +17,10 @@ from api.tools import (
     tool_format_for,
     tool_messages,
 )
-from runtime.chat_template import ChatTemplate
-from runtime.errors import InvalidRequestError
-from runtime.grammar import GrammarCompilerCache, GrammarState
-from runtime.tokenizer import Tokenizer, gguf_reader
+from kiln.runtime.chat_template import ChatTemplate
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.grammar import GrammarCompilerCache, GrammarState
+from kiln.runtime.tokenizer import Tokenizer, gguf_reader
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

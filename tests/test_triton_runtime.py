@@ -11,13 +11,13 @@ import torch
 from conftest import run_to_completion
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
-from runtime.backends.cpu.backend import CpuBackend
-from runtime.backends.dense import DenseBackend
-from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
-from runtime.grammar import GrammarSpec
-from runtime.model_loader import load_model
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.backends.cpu.backend import CpuBackend
+from kiln.runtime.backends.dense import DenseBackend
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine import LLMEngine
+from kiln.runtime.grammar import GrammarSpec
+from kiln.runtime.model_loader import load_model
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

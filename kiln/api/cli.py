@@ -1,0 +1,183 @@
+"""The `kiln` command line: pull, run, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from kiln.runtime.catalogue import CATALOGUE, DEFAULT_MODEL
+
+DTYPE_HELP = ("float32: kiln's CPU kernels on the GGUF's own blocks, logits match transformers, "
+              "a request's bits do not depend on its batch; bfloat16: the linear layers in bf16 "
+              "through oneDNN (a CPU with AMX or AVX-512-BF16), logits within bf16 rounding of "
+              "float32's, not bit-exact")
+
+
+def _dtype_refusal(args) -> str | None:
+    import torch
+
+    from kiln.runtime.backends.cpu.bf16 import bf16_refusal
+
+    if args.dtype != "bfloat16":
+        return None
+    return bf16_refusal(torch.cuda.is_available())
+
+
+def _engine_config(loaded, args, **kw):
+    import torch
+
+    from kiln.runtime.config import EngineConfig
+
+    cuda = torch.cuda.is_available()
+    return EngineConfig.build(
+        loaded.ctx_len, loaded.max_prefill_len, ctx_len=getattr(args, "ctx_len", None),
+        prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
+        kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+        device="cuda" if cuda else "cpu", use_triton=cuda, **kw)
+
+
+def cmd_pull(args) -> int:
+    from kiln.runtime.pull import PullError, ensure_model
+
+    try:
+        path = ensure_model(args.model)
+    except PullError as exc:
+        print(f"kiln pull: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from kiln.runtime.detokenizer import IncrementalDetokenizer
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.errors import KilnError
+    from kiln.runtime.gguf_loader import ModelLoadError
+    from kiln.runtime.model_loader import load_model
+    from kiln.runtime.pull import PullError
+    from kiln.runtime.sampling_settings import SamplingFields, SamplingSettings
+
+    try:
+        loaded = load_model(args.model, device="cuda" if _cuda() else "cpu", use_triton=_cuda(),
+                            dtype=getattr(torch, args.dtype))
+    except (PullError, ModelLoadError) as exc:
+        print(f"kiln run: {exc}", file=sys.stderr)
+        return 1
+    engine = LLMEngine(loaded, _engine_config(loaded, args))
+    settings = SamplingSettings(loaded.defaults)
+    sampling = settings.admit(SamplingFields(temperature=args.temperature, seed=args.seed))
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    text = loaded.chat_template.render(messages, add_generation_prompt=True)
+    ids = loaded.tokenizer.encode(text)
+    try:
+        req = engine.make_request("run-0", ids, sampling, max_tokens=args.max_tokens)
+    except KilnError as exc:
+        print(f"kiln run: {exc.message}", file=sys.stderr)
+        return 1
+    engine.add_request(req)
+    detok = IncrementalDetokenizer(loaded.tokenizer, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    t_first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if t_first is None:
+                t_first = time.perf_counter()
+            for tok in out.new_token_ids:
+                if tok not in req.stop_token_ids:
+                    sys.stdout.write(detok.feed(tok))
+            sys.stdout.flush()
+    sys.stdout.write(detok.finish() + "\n")
+    sys.stdout.flush()
+    t1 = time.perf_counter()
+    n = req.num_output_tokens
+    decode = (n - 1) / (t1 - t_first) if n > 1 and t_first else 0.0
+    print(f"[kiln]  {len(ids)} prompt tokens in {(t_first or t1) - t0:.2f} s "
+          f"({len(ids) / ((t_first or t1) - t0):.1f} tok/s), {n} tokens at {decode:.1f} tok/s",
+          file=sys.stderr)
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cmd_serve(args) -> int:
+    from kiln.api.server import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="A small LLM inference server.")
+    sub = p.add_subparsers(dest="command", required=True)
+    models = ", ".join(CATALOGUE)
+
+    pull = sub.add_parser("pull", help="fetch a catalogue model into the model cache")
+    pull.add_argument("model", help=f"catalogue tag ({models})")
+    pull.set_defaults(func=cmd_pull)
+
+    run = sub.add_parser("run", help="answer one prompt, streamed to the terminal")
+    run.add_argument("model_or_prompt", nargs="+", metavar="[MODEL] PROMPT")
+    run.add_argument("--max-tokens", type=int, default=None)
+    run.add_argument("--temperature", type=float, default=None)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--system", default=None)
+    run.add_argument("--ctx-len", type=int, default=None)
+    run.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help=DTYPE_HELP)
+    run.set_defaults(func=cmd_run)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                       help=f"catalogue tag ({models}) or a .gguf path")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=52625)
+    serve.add_argument("--ctx-len", type=int, default=None,
+                       help="context length (raised to 512, capped at the model's)")
+    serve.add_argument("--prefill-chunk-len", type=int, default=None,
+                       help="prefill chunk length (raised to 512, rounded up to a power of 2)")
+    serve.add_argument("--kv-cache-tokens", type=int, default=None,
+                       help="KV cache capacity in tokens (default: 4 contexts, at least 16384)")
+    serve.add_argument("--max-num-seqs", type=int, default=64,
+                       help="most requests decoded together in one step")
+    serve.add_argument("--per-request-sampling", action="store_true",
+                       help="sampling settings do not stick: each request starts from the "
+                            "model defaults")
+    serve.add_argument("--deterministic", action="store_true",
+                       help="accepted for scripts written for older kiln: on the CPU a seeded "
+                            "or greedy request gives the same bits alone, batched, or from "
+                            "the prefix cache by default")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help=DTYPE_HELP)
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper() if
+                        hasattr(args, "log_level") else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    if args.command == "run":
+        words = args.model_or_prompt
+        if len(words) > 2:
+            print("kiln run: give the prompt as one quoted argument", file=sys.stderr)
+            return 2
+        args.model, args.prompt = (words if len(words) == 2 else [DEFAULT_MODEL, words[0]])
+    if hasattr(args, "dtype") and (refusal := _dtype_refusal(args)):
+        print(f"kiln {args.command}: {refusal}", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""Parse a request body into a typed request, with every check contract.md lists.
+
+`parse_chat_request` / `parse_completion_request` take the decoded JSON body and either
+return a frozen request or raise `InvalidRequestError` naming the field (`param`). Everything
+here is decided before a stream starts. Fields kiln does not know are ignored without a log
+line; known fields of the wrong JSON type are a 400 (a bool is not a number; an integer is
+fine for a number; an integral number such as 2.0 is fine for an integer).
+
+The sampling fields (and think, reasoning_effort, seed) go into `SamplingFields`, which checks
+their types; ranges are the sticky store's business (runtime/sampling_settings.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.runtime.errors import InvalidRequestError, invalid_type
+from kiln.runtime.sampling_settings import SamplingFields
+
+MAX_TOP_LOGPROBS = 20  # chat
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' integer logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str | None
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str | None  # text parts joined with "\n"; None: an assistant turn without text
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def to_template(self) -> dict:
+        """The message as a chat template sees it (tool call arguments parsed, as vLLM does)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                for c in self.tool_calls]
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    name: str
+    description: str | None
+    parameters: dict  # JSON schema of the arguments; {} when not sent
+    strict: bool | None = None
+
+    def to_template(self) -> dict:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: str  # "none" | "auto" | "required" | "function"
+    name: str | None = None  # mode "function": the tool that must be called
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    type: str  # "text" | "json_object" | "json_schema"
+    schema: dict | None = None  # json_schema.schema
+    name: str | None = None
+    strict: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCompletionRequest:
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingFields
+    model: str | None = None
+    max_tokens: int | None = None  # max_completion_tokens, else max_tokens
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    user: str | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool | None = None  # read only to reject it with continuation
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text, or token ids
+    sampling: SamplingFields
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # how many top alternatives per token; None = none
+    echo: bool = False
+    n: int = 1
+    user: str | None = None
+
+
+# --- JSON field readers: None when absent or null, a 400 naming the field when mistyped ---
+
+def _number(obj: dict, key: str, param: str | None = None) -> float | None:
+    v = obj.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise invalid_type(param or key, "a number", v)
+    return v
+
+
+def _integer(obj: dict, key: str, param: str | None = None) -> int | None:
+    v = obj.get(key)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise invalid_type(param or key, "an integer", v)
+    return v
+
+
+def _typed(obj: dict, key: str, kind: type, expected: str, param: str | None = None):
+    v = obj.get(key)
+    if v is not None and not isinstance(v, kind):
+        raise invalid_type(param or key, expected, v)
+    return v
+
+
+def _boolean(obj: dict, key: str, param: str | None = None) -> bool | None:
+    return _typed(obj, key, bool, "a boolean", param)
+
+
+def _string(obj: dict, key: str, param: str | None = None) -> str | None:
+    return _typed(obj, key, str, "a string", param)
+
+
+def _object(obj: dict, key: str, param: str | None = None) -> dict | None:
+    return _typed(obj, key, dict, "an object", param)
+
+
+def _array(obj: dict, key: str, param: str | None = None) -> list | None:
+    return _typed(obj, key, list, "an array", param)
+
+
+def _missing(param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param,
+                               code="missing_required_parameter")
+
+
+def _bad(message: str, param: str, code: str | None = None) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code=code)
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json_body(raw: bytes | str) -> dict:
+    """Decode a request body; anything but a JSON object is a 400."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise InvalidRequestError("We could not parse the JSON body of your request.") from None
+    return _body(body)
+
+
+def _body(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body
+
+
+# --- fields both endpoints share ---
+
+def _sampling(body: dict) -> SamplingFields:
+    return SamplingFields(
+        temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
+        top_k=_integer(body, "top_k"), min_p=_number(body, "min_p"),
+        presence_penalty=_number(body, "presence_penalty"),
+        frequency_penalty=_number(body, "frequency_penalty"),
+        repetition_penalty=_number(body, "repetition_penalty"),
+        repeat_last_n=_integer(body, "repeat_last_n"), seed=_integer(body, "seed"),
+        think=_boolean(body, "think"), reasoning_effort=_string(body, "reasoning_effort"),
+    )
+
+
+def _max_tokens(body: dict) -> int | None:
+    values = {key: _integer(body, key) for key in ("max_completion_tokens", "max_tokens")}
+    for key, v in values.items():
+        if v is not None and v < 1:
+            raise _bad(f"Invalid '{key}': {v}. Expected a value >= 1.", key,
+                       "integer_below_min_value")
+    # max_completion_tokens replaces the deprecated max_tokens (vLLM reads them this way).
+    if values["max_completion_tokens"] is not None:
+        return values["max_completion_tokens"]
+    return values["max_tokens"]
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(s for s in v if s)
+    raise invalid_type("stop", "a string or an array of strings", v)
+
+
+def _n(body: dict) -> int:
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise _bad(f"Invalid 'n': {n}. kiln returns one choice per request: send n=1 or "
+                   "leave it out, and send several requests for several choices.", "n",
+                   "unsupported_value")
+    return 1
+
+
+def _common(body: dict) -> dict[str, Any]:
+    stream_options = _object(body, "stream_options") or {}
+    return dict(
+        sampling=_sampling(body), model=_string(body, "model"), max_tokens=_max_tokens(body),
+        stop=_stop(body), stream=bool(_boolean(body, "stream")),
+        include_usage=bool(_boolean(stream_options, "include_usage",
+                                    "stream_options.include_usage")),
+        n=_n(body), user=_string(body, "user"),
+    )
+
+
+# --- chat ---
+
+def _content(v: object, param: str) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise invalid_type(param, "a string or an array of content parts", v)
+    texts = []
+    for i, part in enumerate(v):
+        p = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise invalid_type(p, "an object", part)
+        kind = _string(part, "type", f"{p}.type")
+        if kind != "text":
+            raise _bad(f"Unsupported content part type {kind!r} in '{p}': kiln reads text "
+                       "parts only.", f"{p}.type", "unsupported_value")
+        text = _string(part, "text", f"{p}.text")
+        if text is None:
+            raise _missing(f"{p}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _tool_call(v: object, param: str) -> ToolCall:
+    if not isinstance(v, dict):
+        raise invalid_type(param, "an object", v)
+    fn = _object(v, "function", f"{param}.function")
+    if fn is None:
+        raise _missing(f"{param}.function")
+    name = _string(fn, "name", f"{param}.function.name")
+    if name is None:
+        raise _missing(f"{param}.function.name")
+    args = fn.get("arguments")
+    if isinstance(args, dict):
+        args = json.dumps(args)
+    elif args is None:
+        args = "{}"
+    elif not isinstance(args, str):
+        raise invalid_type(f"{param}.function.arguments", "a string", args)
+    return ToolCall(id=_string(v, "id", f"{param}.id"), name=name, arguments=args)
+
+
+def _message(v: object, param: str) -> ChatMessage:
+    if not isinstance(v, dict):
+        raise invalid_type(param, "an object", v)
+    role = _string(v, "role", f"{param}.role")
+    if not role:
+        raise _missing(f"{param}.role")
+    content = _content(v.get("content"), f"{param}.content")
+    if content is None and role != "assistant":
+        raise _missing(f"{param}.content")
+    calls = _array(v, "tool_calls", f"{param}.tool_calls") or []
+    reasoning = v.get("reasoning_content", v.get("reasoning"))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise invalid_type(f"{param}.reasoning_content", "a string", reasoning)
+    return ChatMessage(
+        role=role, content=content, name=_string(v, "name", f"{param}.name"),
+        tool_calls=tuple(_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(calls)),
+        tool_call_id=_string(v, "tool_call_id", f"{param}.tool_call_id"),
+        reasoning_content=reasoning,
+    )
+
+
+def _tool(v: object, param: str) -> ToolSpec:
+    if not isinstance(v, dict):
+        raise invalid_type(param, "an object", v)
+    kind = _string(v, "type", f"{param}.type")
+    if kind not in (None, "function"):
+        raise _bad(f"Unsupported tool type {kind!r}: kiln calls functions only.",
+                   f"{param}.type", "unsupported_value")
+    fn = _object(v, "function", f"{param}.function")
+    if fn is None:
+        raise _missing(f"{param}.function")
+    name = _string(fn, "name", f"{param}.function.name")
+    if not name:
+        raise _missing(f"{param}.function.name")
+    return ToolSpec(name=name, description=_string(fn, "description", f"{param}.function."
+                                                   "description"),
+                    parameters=_object(fn, "parameters", f"{param}.function.parameters") or {},
+                    strict=_boolean(fn, "strict", f"{param}.function.strict"))
+
+
+def _tool_choice(v: object, tools: tuple[ToolSpec, ...]) -> ToolChoice | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v not in ("none", "auto", "required"):
+            raise _bad(f"Invalid 'tool_choice': {v!r}. Expected 'none', 'auto', 'required' "
+                       "or a function.", "tool_choice", "invalid_value")
+        choice = ToolChoice(mode=v)
+    elif isinstance(v, dict):
+        fn = _object(v, "function", "tool_choice.function") or {}
+        name = _string(fn, "name", "tool_choice.function.name")
+        if not name:
+            raise _missing("tool_choice.function.name")
+        if name not in {t.name for t in tools}:
+            raise _bad(f"Invalid 'tool_choice': no tool named {name!r} in 'tools'.",
+                       "tool_choice", "invalid_value")
+        choice = ToolChoice(mode="function", name=name)
+    else:
+        raise invalid_type("tool_choice", "a string or an object", v)
+    if choice.mode == "required" and not tools:
+        raise _bad("tool_choice 'required' needs at least one tool in 'tools'.",
+                   "tool_choice", "invalid_value")
+    return choice
+
+
+def _response_format(v: object) -> ResponseFormat | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid_type("response_format", "an object", v)
+    kind = _string(v, "type", "response_format.type")
+    if kind in ("text", "json_object"):
+        return ResponseFormat(type=kind)
+    if kind != "json_schema":
+        raise _bad(f"Invalid 'response_format.type': {kind!r}. Expected 'text', "
+                   "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
+    js = _object(v, "json_schema", "response_format.json_schema")
+    if js is None:
+        raise _missing("response_format.json_schema")
+    return ResponseFormat(type=kind, schema=_object(js, "schema", "response_format.json_schema."
+                                                    "schema") or {},
+                          name=_string(js, "name", "response_format.json_schema.name"),
+                          strict=_boolean(js, "strict", "response_format.json_schema.strict"))
+
+
+def parse_chat_request(body: object) -> ChatCompletionRequest:
+    """A /v1/chat/completions body, checked; raises InvalidRequestError."""
+    body = _body(body)
+    cont = bool(_boolean(body, "continue_final_message"))
+    add_gen = _boolean(body, "add_generation_prompt")
+    raw_messages = _array(body, "messages")
+    if cont and add_gen:
+        raise _bad("continue_final_message and add_generation_prompt cannot both be true.",
+                   "continue_final_message")
+    if cont and not raw_messages:
+        raise _bad("continue_final_message is true but there are no messages to continue.",
+                   "continue_final_message")
+    if raw_messages is None:
+        raise _missing("messages")
+    if not raw_messages:
+        raise _bad("'messages' must contain at least one message.", "messages", "empty_array")
+    messages = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(raw_messages))
+    if cont and messages[-1].role != "assistant":
+        raise _bad("continue_final_message is true but the last message is not the "
+                   f"assistant's (it is {messages[-1].role!r}).", "continue_final_message")
+    if cont and not (messages[-1].content or "").strip():
+        raise _bad("continue_final_message is true but the final assistant message has no "
+                   "text to continue.", "continue_final_message")
+
+    logprobs = bool(_boolean(body, "logprobs"))
+    top = _integer(body, "top_logprobs") or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _bad(f"Invalid 'top_logprobs': {top}. Expected a value from 0 to "
+                   f"{MAX_TOP_LOGPROBS}.", "top_logprobs", "invalid_value")
+    if top and not logprobs:
+        raise _bad("top_logprobs needs logprobs: true.", "top_logprobs", "invalid_value")
+    raw_tools = _array(body, "tools") or []
+    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw_tools))
+    return ChatCompletionRequest(
+        messages=messages, **_common(body), logprobs=logprobs, top_logprobs=top,
+        tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_boolean(body, "parallel_tool_calls"),
+        response_format=_response_format(body.get("response_format")),
+        add_generation_prompt=add_gen, continue_final_message=cont,
+    )
+
+
+# --- completions ---
+
+def _token_ids(v: list, param: str) -> tuple[int, ...]:
+    if not v:
+        raise _bad(f"'{param}' must not be empty.", param, "empty_array")
+    for t in v:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _bad(f"Invalid '{param}': token ids must be non-negative integers.", param,
+                       "invalid_value")
+    return tuple(v)
+
+
+def _prompt(v: object) -> str | tuple[int, ...]:
+    if v is None:
+        raise _missing("prompt")
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise invalid_type("prompt", "a string, an array of strings or an array of token ids", v)
+    if v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return _token_ids(v, "prompt")
+    if len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+        raise _bad(f"'prompt' holds {len(v)} prompts: kiln reads one prompt per request; "
+                   "send several requests instead.", "prompt", "unsupported_value")
+    if len(v) == 1 and isinstance(v[0], str):
+        return v[0]
+    if len(v) == 1 and isinstance(v[0], list):
+        return _token_ids(v[0], "prompt")
+    if not v:
+        raise _bad("'prompt' must not be empty.", "prompt", "empty_array")
+    raise invalid_type("prompt", "a string, an array of strings or an array of token ids", v)
+
+
+def parse_completion_request(body: object) -> CompletionRequest:
+    """A /v1/completions body, checked; raises InvalidRequestError."""
+    body = _body(body)
+    prompt = _prompt(body.get("prompt"))
+    logprobs = _integer(body, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _bad(f"Invalid 'logprobs': {logprobs}. Expected a value from 0 to "
+                   f"{MAX_COMPLETION_LOGPROBS}.", "logprobs", "invalid_value")
+    return CompletionRequest(prompt=prompt, **_common(body), logprobs=logprobs,
+                             echo=bool(_boolean(body, "echo")))

@@ -1,0 +1,116 @@
+"""The Sanic app: routes, the one exception handler, start-up and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+from sanic import Sanic
+from sanic.exceptions import SanicException
+from sanic.response import json
+
+from kiln.api.errors import error_response
+from kiln.api.handlers import chat_completions, completions
+from kiln.api.protocol import load_json_body
+from kiln.api.responses import new_id
+from kiln.api.state import ServeOptions, ServerState
+from kiln.runtime.catalogue import CATALOGUE
+from kiln.runtime.errors import InvalidRequestError, KilnError
+
+log = logging.getLogger("kiln")
+
+
+def create_app(state: ServerState, name: str = "kiln") -> Sanic:
+    app = Sanic(name, configure_logging=False)
+    app.config.MOTD = False
+    app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
+    app.config.RESPONSE_TIMEOUT = 3600
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    app.ctx.state = state
+
+    app.add_route(chat_completions, "/v1/chat/completions", methods=["POST"])
+    app.add_route(completions, "/v1/completions", methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request):
+        loaded = state.loaded
+        data = []
+        for tag, entry in CATALOGUE.items():
+            is_loaded = loaded is not None and loaded.name == tag
+            # The loaded model shows the context this server gives it (--ctx-len applied).
+            data.append(_model_card(tag, entry.defaults,
+                                    state.config.ctx_len if is_loaded else entry.ctx_len,
+                                    is_loaded))
+        if loaded is not None and loaded.name not in CATALOGUE:
+            data.append(_model_card(loaded.name, loaded.defaults, state.config.ctx_len, True))
+        return json({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health(request):
+        loaded = state.loaded
+        return json({"status": "ok", "model": loaded.name if loaded else None,
+                     "in_flight": state.in_flight})
+
+    @app.post("/api/load")
+    async def load(request):
+        body = load_json_body(request.body)
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError("'model' must be a model tag or a .gguf path.",
+                                      param="model")
+        await state.ensure_model(model, reload=True)
+        return json({"status": "loaded", "model": state.loaded.name,
+                     "defaults": _defaults(state.loaded.defaults)})
+
+    @app.exception(Exception)
+    async def on_error(request, exc):
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc
+        if isinstance(exc, SanicException) and not isinstance(exc, KilnError):
+            status = getattr(exc, "status_code", 500)
+            return json({"error": {"message": str(exc), "type": "invalid_request_error"
+                                   if status < 500 else "server_error",
+                                   "param": None, "code": status}}, status=status)
+        status, body = error_response(exc, new_id("req"))
+        return json(body, status=status)
+
+    return app
+
+
+def _defaults(d) -> dict:
+    return {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
+            "min_p": d.min_p, "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty,
+            "repetition_penalty": d.repetition_penalty, "repeat_last_n": d.repeat_last_n}
+
+
+def _model_card(name: str, defaults, ctx_len: int, loaded: bool) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
+            "context_length": ctx_len, "loaded": loaded, "defaults": _defaults(defaults)}
+
+
+def serve(args) -> int:
+    from kiln.runtime.gguf_loader import ModelLoadError
+    from kiln.runtime.pull import PullError
+
+    options = ServeOptions(ctx_len=args.ctx_len, prefill_chunk_len=args.prefill_chunk_len,
+                           kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+                           per_request_sampling=args.per_request_sampling,
+                           dtype=args.dtype)
+    if args.deterministic:
+        log.info("[kiln]  --deterministic: kiln's CPU kernels are batch-invariant by default")
+    state = ServerState(options)
+    try:
+        state.load(args.model)
+    except (PullError, ModelLoadError) as exc:
+        print(f"kiln serve: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(state)
+    url = f"http://{args.host}:{args.port}/v1"
+    log.info("[kiln]  Listening on %s", url)
+    app.run(host=args.host, port=args.port, single_process=True, access_log=False,
+            motd=False)
+    state.engine.shutdown()
+    return 0

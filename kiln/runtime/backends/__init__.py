@@ -1,0 +1,53 @@
+"""Where a model's arithmetic runs. A backend is chosen once, at load, and owns everything
+that depends on the device: the form of the weights (`linear` returns an object the forward
+calls as `w(x)`), the KV cache's layout, and the layer operations (norms, RoPE, gated
+activations, paged attention). The model files never ask which one they run on.
+
+- `CpuBackend` (backends/cpu): kiln's own C kernels on the GGUF's blocks, fp32, the same
+  bits for a request whatever it is batched with (the default on a CPU);
+- `DenseBackend` (backends/dense.py): torch on dequantized weights, with the Triton kernels
+  for attention on CUDA (or in the interpreter, for the tests), their torch references
+  otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("kiln")
+
+
+class RopeTable:
+    """cos and sin of RoPE's angles for every position: [max_position, rot_dim / 2] fp32.
+    `scaling` (Llama 3's per-frequency factors) divides the inverse frequencies."""
+
+    def __init__(self, rot_dim: int, max_position: int, base: float, device,
+                 inv_freq_scale: torch.Tensor | None = None):
+        inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+        if inv_freq_scale is not None:
+            inv_freq = inv_freq / inv_freq_scale.to(torch.float64)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        self.rot_dim = rot_dim
+        self.cos = freqs.cos().to(device=device, dtype=torch.float32).contiguous()
+        self.sin = freqs.sin().to(device=device, dtype=torch.float32).contiguous()
+
+
+def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 use_triton: bool = False):
+    """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU);
+    otherwise torch on dense weights."""
+    if torch.device(device).type == "cpu" and not use_triton:
+        from kiln.runtime.backends.cpu import library
+
+        reason = library.unavailable_reason()
+        if reason is None:
+            from kiln.runtime.backends.cpu.backend import CpuBackend
+
+            return CpuBackend(bf16_products=dtype == torch.bfloat16)
+        log.warning("[kiln]  CPU kernels unavailable, using torch (slower, and a request's "
+                    "bits may follow its batch): %s", reason)
+    from kiln.runtime.backends.dense import DenseBackend
+
+    return DenseBackend(device, dtype, use_triton)

@@ -1,0 +1,199 @@
+"""The CPU backend: kiln's C kernels (csrc/) on weights kept in the GGUF's quantization.
+
+Bit-exact by construction: every kernel computes an output row alone, in one fixed order of
+operations that depends neither on the other rows of the step (a request's neighbours in the
+batch, or the rest of its prefill chunk) nor on the thread count nor on the instruction set
+(csrc/simd.h). So a seeded or greedy request gives the same tokens and logprobs alone or
+batched, cold or from the prefix cache, on any x86 CPU with AVX2 or AVX-512.
+
+Threads: each kernel shares its rows or columns out over an OpenMP team of one thread per
+core; torch (the sampler's few ops) keeps one thread, so only one team ever spins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+from kiln.runtime.attention_metadata import AttentionMetadata
+from kiln.runtime.backends import RopeTable
+from kiln.runtime.backends.cpu import library
+from kiln.runtime.backends.cpu.packing import pack
+from kiln.runtime.gguf_loader import WeightSource
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+class PackedLinear:
+    """A linear layer's weight in the packed GGUF blocks: `w(x)` is x @ W.T (+ bias).
+
+    Several GGUF tensors stacked along the outputs (Q, K and V; gate and up) may differ in
+    type; each keeps its own and writes its own columns of the one output."""
+
+    __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "_args")
+
+    def __init__(self, sources: list[WeightSource], bias: torch.Tensor | None, lib, threads: int):
+        self.cols = sources[0].cols
+        if any(s.cols != self.cols for s in sources):
+            raise ValueError("stacked weights must share their input size")
+        self.blocks = [pack(s.raw_bytes(), s.qtype, s.cols) for s in sources]  # kept alive
+        self.parts = (library.Part * len(sources))()
+        at = 0
+        for part, s, blocks in zip(self.parts, sources, self.blocks, strict=True):
+            part.type, part.rows, part.col0, part.blocks = int(s.qtype), s.rows, at, \
+                blocks.ctypes.data
+            at += s.rows
+        self.rows, self.bias, self.lib, self.threads = at, bias, lib, threads
+        # the call's constant arguments, worked out once: this is the decode step's hot path
+        self._args = (ctypes.addressof(self.parts), len(sources),
+                      None if bias is None else bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, cols] fp32, rows contiguous -> [T, rows] fp32."""
+        assert x.stride(1) == 1 and x.dtype == torch.float32
+        T = x.shape[0]
+        y = torch.empty((T, self.rows), dtype=torch.float32)
+        parts, nparts, bias = self._args
+        self.lib.kiln_linear(x.data_ptr(), T, self.cols, x.stride(0), parts, nparts, bias,
+                             y.data_ptr(), self.rows, self.threads)
+        return y
+
+
+class PackedEmbedding:
+    """A token embedding in packed blocks: rows looked up by id, and (tied) the LM head."""
+
+    def __init__(self, source: WeightSource, lib, threads: int):
+        self.source = source
+        self.linear = PackedLinear([source], None, lib, threads)
+        self.qtype, self.blocks = int(source.qtype), self.linear.blocks[0]
+        self.dim, self.lib, self.threads = source.cols, lib, threads
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] int64 -> [T, dim] fp32"""
+        ids = ids.contiguous()
+        out = torch.empty((ids.shape[0], self.dim), dtype=torch.float32)
+        self.lib.kiln_embed(self.qtype, self.blocks.ctypes.data, self.dim, ids.data_ptr(),
+                            ids.shape[0], out.data_ptr(), self.threads)
+        return out
+
+
+class CpuBackend:
+    device = torch.device("cpu")
+    name = "cpu"
+    dtype = torch.float32
+
+    def __init__(self, bf16_products: bool = False, threads: int | None = None,
+                 extra_flags: tuple[str, ...] = ()):
+        """bf16_products: the linear layers in oneDNN's packed bf16 (`--dtype bfloat16`, a
+        throughput mode that is not bit-exact); everything else stays on the kernels."""
+        self.lib = library.load(extra_flags)
+        self.threads = threads or os.cpu_count() or 1
+        self.bf16_products = bf16_products
+        # The kernels bring their own team; torch's ops stay on the caller's thread, except
+        # oneDNN's bf16 products, which need torch's (the same OpenMP pool as the kernels').
+        torch.set_num_threads(self.threads if bf16_products else 1)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def linear(self, sources: list[WeightSource], bias: np.ndarray | None = None):
+        b = None if bias is None else torch.from_numpy(np.ascontiguousarray(bias, np.float32))
+        if self.bf16_products:
+            from kiln.runtime.backends.cpu.bf16 import PackedBf16
+
+            return PackedBf16(sources, b)
+        return PackedLinear(sources, b, self.lib, self.threads)
+
+    def embedding(self, source: WeightSource) -> PackedEmbedding:
+        return PackedEmbedding(source, self.lib, self.threads)
+
+    def lm_head(self, embedding: PackedEmbedding | None, source: WeightSource | None):
+        """The output projection: its own weight, or the embedding's (tied)."""
+        if source is not None:
+            return self.linear([source])
+        if self.bf16_products:
+            from kiln.runtime.backends.cpu.bf16 import PackedBf16
+
+            return PackedBf16([embedding.source], None)
+        return embedding.linear
+
+    def vector(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is read-only
+
+    def rope_table(self, rot_dim: int, max_position: int, base: float, inv_freq_scale=None):
+        return RopeTable(rot_dim, max_position, base, "cpu", inv_freq_scale)
+
+    def kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        """(key, value) of one layer: K transposed per block, [num_blocks, kv_heads, head_dim,
+        block_size], and V as [num_blocks, kv_heads, block_size, head_dim] (csrc/attention.c)."""
+        assert block_size == 16, "the kernels read a block of 16 keys as one vector"
+        return (torch.zeros((num_blocks, num_kv_heads, head_dim, block_size)),
+                torch.zeros((num_blocks, num_kv_heads, block_size, head_dim)))
+
+    # -- layer operations ------------------------------------------------------------------
+
+    # The wrappers below run about 300 times a decode step: each checks what the kernel
+    # relies on with one cheap assert and hands it raw pointers and strides.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, n] (rows contiguous) -> a new [T, n]"""
+        T, n = x.shape
+        assert x.stride(1) == 1
+        out = torch.empty((T, n), dtype=torch.float32)
+        self.lib.kiln_rms_norm(x.data_ptr(), x.stride(0), 0, T, 1, n, weight.data_ptr(), eps,
+                               out.data_ptr(), n, 0, self.threads)
+        return out
+
+    def rms_norm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """x: [T, H, D] (a view: heads and values contiguous), normalised per head in place."""
+        T, H, D = x.shape
+        assert x.stride(1) == D and x.stride(2) == 1
+        self.lib.kiln_rms_norm(x.data_ptr(), x.stride(0), D, T, H, D, weight.data_ptr(), eps,
+                               x.data_ptr(), x.stride(0), D, self.threads)
+
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> None:
+        """x: [T, H, D] view (heads contiguous), rotated in place (NeoX: rotate_half).
+        positions: [T] int64."""
+        T, H, D = x.shape
+        assert x.stride(1) == D and x.stride(2) == 1
+        self.lib.kiln_rope(x.data_ptr(), x.stride(0), D, T, H, rope.rot_dim, positions.data_ptr(),
+                           rope.cos.data_ptr(), rope.sin.data_ptr(), self.threads)
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """gate_up: [T, 2F] (gate, then up, rows contiguous) -> act(gate) * up: [T, F]"""
+        T, F2 = gate_up.shape
+        assert gate_up.stride(1) == 1
+        out = torch.empty((T, F2 // 2), dtype=torch.float32)
+        self.lib.kiln_act_mul(gate_up.data_ptr(), gate_up.stride(0), T, F2 // 2,
+                              ACTIVATIONS[activation], out.data_ptr(), F2 // 2, self.threads)
+        return out
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim] view, heads contiguous
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim] view
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim] view
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """Store this step's K/V through the slot mapping, then attend over the paged cache.
+        The metadata's dtypes (int32 tables and lengths, int64 slots) are the runner's."""
+        key_cache, value_cache = kv_cache
+        T, H, D = q.shape
+        KVH = k.shape[1]
+        assert q.stride(1) == k.stride(1) == v.stride(1) == D and v.stride(2) == 1
+        self.lib.kiln_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                               meta.slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
+                               value_cache.data_ptr())
+        out = torch.empty((T, H * D), dtype=torch.float32)
+        bt = meta.block_tables
+        self.lib.kiln_attention(q.data_ptr(), q.stride(0), D, key_cache.data_ptr(),
+                                value_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
+                                meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
+                                bt.shape[0], H, KVH, D, scale, sliding_window, out.data_ptr(),
+                                H * D, D, self.threads)
+        return out

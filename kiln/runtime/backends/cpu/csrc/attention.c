@@ -1,0 +1,256 @@
+/* Paged attention over kiln's CPU KV cache, for a batch that mixes prefill chunks and decode
+ * rows, and the store of this step's keys and values into that cache.
+ *
+ * CPU cache layout (one pair per layer), chosen for the two products below:
+ *   key_cache   [num_blocks, num_kv_heads, head_dim, block_size]  (K transposed per block)
+ *   value_cache [num_blocks, num_kv_heads, block_size, head_dim]
+ * so a block's 16 keys at one dimension d are one vector (scores: lanes over keys, a chain of
+ * fmas over d) and a key's values are contiguous (output: lanes over d, a chain over keys).
+ *
+ * Batch invariance by construction: a query row (one position, one head) is computed on its
+ * own whatever else is in the batch, whether it is read in a prefill chunk or a decode step.
+ * It visits its sequence's keys in tiles of TK positions aligned to absolute position 0, in
+ * increasing order, with an online softmax whose update for a tile is always the same
+ * sequence of operations; a tile that hides every key from a row leaves that row's state
+ * exactly as it was (alpha = 1, p = 0). Rows are tiled together only to share loads.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "pool.h"
+#include "simd.h"
+
+#define BS 16           /* KV block size: one vector of keys */
+#define TB 4            /* blocks per key tile */
+#define TK (TB * BS)    /* keys per tile, the online softmax's step */
+#define QT 16           /* query positions per work unit of a prefill chunk */
+#define RQ 6            /* rows of a score tile: RQ x TB accumulators */
+
+INLINE float exp1(float x) {
+    float o[16];
+    vf_store(o, vf_exp(vf_set1(x)));
+    return o[0];
+}
+
+typedef struct {
+    const float *q;
+    int64_t q_tok, q_head; /* q[t * q_tok + h * q_head + d] */
+    float *out;
+    int64_t o_tok, o_head;
+    const float *kc, *vc;
+    int64_t kvh_n, D, G;
+    float scale;
+    int64_t window;
+} attn_args;
+
+/* s[i][0..TK) = q_i . k over d = 0, 1, ..., D - 1, for rq rows and the tile's blocks */
+INLINE void scores(const float *const *qr, const float *const *kt, int64_t D, float *s,
+                   const int rq) {
+    vf acc[RQ][TB];
+    for (int i = 0; i < rq; i++)
+        for (int u = 0; u < TB; u++) acc[i][u] = vf_zero();
+    for (int64_t d = 0; d < D; d++) {
+        vf kv[TB];
+        for (int u = 0; u < TB; u++) kv[u] = vf_load(kt[u] + d * BS);
+        for (int i = 0; i < rq; i++) {
+            const vf qb = vf_set1(qr[i][d]);
+            for (int u = 0; u < TB; u++) acc[i][u] = vf_fma(qb, kv[u], acc[i][u]);
+        }
+    }
+    for (int i = 0; i < rq; i++)
+        for (int u = 0; u < TB; u++) vf_store(s + i * TK + u * BS, acc[i][u]);
+}
+
+/* o_i[c0 .. c0 + cv) = alpha_i * o_i + sum over the tile's keys j, in order, of p_i[j] v_j */
+INLINE void values(float *o, int64_t D, const float *p, const float *alpha,
+                   const float *const *vb, int64_t c0, const int rp, const int cv) {
+    vf acc[4][16];
+    for (int i = 0; i < rp; i++) {
+        const vf a = vf_set1(alpha[i]);
+        for (int c = 0; c < cv; c++) acc[i][c] = vf_mul(vf_load(o + i * D + (c0 + c) * 16), a);
+    }
+    for (int j = 0; j < TK; j++) {
+        const float *vr = vb[j / BS] + (j % BS) * D + c0 * 16;
+        for (int c = 0; c < cv; c++) {
+            const vf v = vf_load(vr + c * 16);
+            for (int i = 0; i < rp; i++) acc[i][c] = vf_fma(vf_set1(p[i * TK + j]), v, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < rp; i++)
+        for (int c = 0; c < cv; c++) vf_store(o + i * D + (c0 + c) * 16, acc[i][c]);
+}
+
+static void scores_any(const float *const *qr, const float *const *kt, int64_t D, float *s,
+                       int rq) {
+    switch (rq) {
+    case 1: scores(qr, kt, D, s, 1); break;
+    case 2: scores(qr, kt, D, s, 2); break;
+    case 3: scores(qr, kt, D, s, 3); break;
+    case 4: scores(qr, kt, D, s, 4); break;
+    case 5: scores(qr, kt, D, s, 5); break;
+    default: scores(qr, kt, D, s, 6); break;
+    }
+}
+
+/* rows [r0, r0 + n) of the unit through `values`, in register tiles of up to 16 vectors */
+static void values_rows(float *acc, int64_t D, const float *ps, const float *alpha,
+                        const float *const *vb, int64_t r0, int64_t n) {
+    const int64_t nv = D / 16;
+    const int cv = nv < 16 ? (int)nv : 16;
+    const int rp = 16 / cv < 4 ? 16 / cv : 4;
+    for (int64_t r = r0; r < r0 + n; r += rp) {
+        const int k = (int)(r0 + n - r < rp ? r0 + n - r : rp);
+        for (int64_t c0 = 0; c0 < nv; c0 += cv) {
+            float *o = acc + r * D;
+            const float *p = ps + r * TK, *a = alpha + r;
+#define V(rp_, cv_) if (k == rp_ && cv == cv_) { values(o, D, p, a, vb, c0, rp_, cv_); continue; }
+            V(4, 4) V(3, 4) V(2, 4) V(1, 4) V(2, 8) V(1, 8) V(1, 16)
+#undef V
+            for (int i = 0; i < k; i++)  /* other head sizes: one vector at a time */
+                for (int64_t c = c0; c < nv && c < c0 + cv; c++)
+                    values(o + i * D, D, p + i * TK, a + i, vb, c, 1, 1);
+        }
+    }
+}
+
+/* One work unit: kv head `kvh` of one sequence (its block table `bt`, `L` keys), query
+ * positions [p0, p1) (rows: position x the G heads of the group) whose first is token tok0 of
+ * q and out. Scratch: acc [rows, D], m, l, alpha [rows], s [rows, TK], qr [rows]. */
+static void unit(const attn_args *a, const int32_t *bt, int64_t L, int64_t kvh, int64_t p0,
+                 int64_t p1, int64_t tok0, float *acc, float *m, float *l, float *alpha,
+                 float *s, const float **qr) {
+    const int64_t D = a->D, G = a->G, R = (p1 - p0) * G, nv = D / 16;
+    const int64_t nblocks = (L + BS - 1) / BS;
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        qr[r] = a->q + (tok0 + r / G) * a->q_tok + (kvh * G + r % G) * a->q_head;
+    }
+    for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
+    const int64_t lo = a->window > 0 && p0 + 1 - a->window > 0 ? p0 + 1 - a->window : 0;
+    const vf lane = vf_from_i(vi_lanes());
+    for (int64_t t = lo / TK; t <= (p1 - 1) / TK; t++) {
+        const float *kt[TB], *vb[TB];
+        for (int u = 0; u < TB; u++) {
+            /* a block past the sequence's end holds no key any row sees: any block will do */
+            const int64_t b = t * TB + u, id = bt[b < nblocks ? b : 0];
+            kt[u] = a->kc + (id * a->kvh_n + kvh) * D * BS;
+            vb[u] = a->vc + (id * a->kvh_n + kvh) * BS * D;
+        }
+        if (t < (p1 - 1) / TK)  /* the next tile's blocks: paged, so no stride to follow */
+            for (int u = 0; u < TB; u++) {
+                const int64_t b = (t + 1) * TB + u, id = bt[b < nblocks ? b : 0];
+                const char *kn = (const char *)(a->kc + (id * a->kvh_n + kvh) * D * BS);
+                const char *vn = (const char *)(a->vc + (id * a->kvh_n + kvh) * BS * D);
+                for (int64_t off = 0; off < (int64_t)sizeof(float) * D * BS; off += 64) {
+                    __builtin_prefetch(kn + off);
+                    __builtin_prefetch(vn + off);
+                }
+            }
+        for (int64_t r0 = 0; r0 < R; r0 += RQ)
+            scores_any(qr + r0, kt, D, s + r0 * TK, (int)(R - r0 < RQ ? R - r0 : RQ));
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t pos = p0 + r / G;
+            const vf lo_v = vf_set1(a->window > 0 ? (float)(pos - a->window) : -1.0f);
+            const vf hi_v = vf_set1((float)pos), scale = vf_set1(a->scale);
+            float *sr = s + r * TK;
+            vf z[TB];
+            for (int u = 0; u < TB; u++)  /* the keys this row sees: pos - window < k <= pos */
+                z[u] = vf_keep_in(vf_mul(vf_load(sr + u * BS), scale),
+                                  vf_add(lane, vf_set1((float)(t * TK + u * BS))), lo_v, hi_v);
+            const float m_new = fmaxf(m[r], vf_hmax(vf_max(vf_max(z[0], z[1]), vf_max(z[2], z[3]))));
+            if (m_new == -INFINITY) {  /* nothing visible yet: p = 0, alpha = 1 change nothing */
+                alpha[r] = 1.0f;
+                for (int u = 0; u < TB; u++) vf_store(sr + u * BS, vf_zero());
+                continue;
+            }
+            alpha[r] = exp1(m[r] - m_new);
+            vf p[TB];
+            for (int u = 0; u < TB; u++) {
+                p[u] = vf_exp(vf_sub(z[u], vf_set1(m_new)));
+                vf_store(sr + u * BS, p[u]);
+            }
+            l[r] = l[r] * alpha[r] + vf_sum(vf_add(vf_add(p[0], p[1]), vf_add(p[2], p[3])));
+            m[r] = m_new;
+        }
+        values_rows(acc, D, s, alpha, vb, 0, R);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *dst = a->out + (tok0 + r / G) * a->o_tok + (kvh * G + r % G) * a->o_head;
+        const vf lv = vf_set1(l[r]);
+        for (int64_t c = 0; c < nv; c++)
+            vf_store(dst + c * 16, vf_div(vf_load(acc + r * D + c * 16), lv));
+    }
+}
+
+typedef struct {
+    attn_args a;
+    const int32_t *block_tables, *seq_lens, *query_start_loc;
+    int64_t bt_stride, num_seqs, total;
+    const int64_t *first; /* first[i]: sequence i's first unit */
+    _Atomic int64_t next; /* the next unit to take */
+} attn_batch;
+
+static void attention_task(void *ctx, int tid, int nt) {
+    (void)tid, (void)nt;
+    attn_batch *b = ctx;
+    const attn_args *a = &b->a;
+    const int64_t R = QT * a->G, D = a->D;
+    /* qr [R] pointers, then acc [R, D], s [R, TK], m, l, alpha [R] floats, 64-byte aligned */
+    const size_t ptrs = (sizeof(float *) * R + 63) / 64 * 64;
+    const size_t bytes = (ptrs + sizeof(float) * (R * D + R * TK + 3 * R) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, bytes);
+    const float **qr = (const float **)scratch;
+    float *acc = (float *)(scratch + ptrs), *s = acc + R * D, *m = s + R * TK, *l = m + R;
+    float *alpha = l + R;
+    int64_t seq = 0;
+    for (int64_t u; (u = atomic_fetch_add(&b->next, 1)) < b->total;) {
+        while (b->first[seq + 1] <= u) seq++;
+        const int64_t k = u - b->first[seq], tile = k / a->kvh_n, kvh = k % a->kvh_n;
+        const int64_t qs = b->query_start_loc[seq], ql = b->query_start_loc[seq + 1] - qs;
+        const int64_t L = b->seq_lens[seq], ctx_len = L - ql;
+        const int64_t p0 = ctx_len + tile * QT, p1 = p0 + QT < L ? p0 + QT : L;
+        unit(a, b->block_tables + seq * b->bt_stride, L, kvh, p0, p1, qs + tile * QT, acc, m, l,
+             alpha, s, qr);
+    }
+    free(scratch);
+}
+
+void kiln_attention(const float *q, int64_t q_tok, int64_t q_head, const float *key_cache,
+                    const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+                    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                    int64_t window, float *out, int64_t o_tok, int64_t o_head, int nthreads) {
+    /* units: per sequence, ceil(query_len / QT) position tiles x kv heads, taken in order */
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    int64_t total = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        first[i] = total;
+        const int64_t ql = query_start_loc[i + 1] - query_start_loc[i];
+        total += (ql + QT - 1) / QT * num_kv_heads;
+    }
+    first[num_seqs] = total;
+    attn_batch b = {{q, q_tok, q_head, out, o_tok, o_head, key_cache, value_cache, num_kv_heads,
+                     head_dim, num_heads / num_kv_heads, scale, window},
+                    block_tables, seq_lens, query_start_loc, bt_stride, num_seqs, total, first, 0};
+    kiln_parallel(attention_task, &b, total > 1 ? nthreads : 1);
+    free(first);
+}
+
+/* key, value [T, KVH, D] (token strides k_tok, v_tok) -> their slots; slot -1: skipped */
+void kiln_store_kv(const float *key, int64_t k_tok, const float *value, int64_t v_tok,
+                   const int64_t *slot_mapping, int64_t T, int64_t kvh_n, int64_t D,
+                   float *key_cache, float *value_cache) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const int64_t b = slot / BS, off = slot % BS;
+        for (int64_t h = 0; h < kvh_n; h++) {
+            const float *k = key + t * k_tok + h * D, *v = value + t * v_tok + h * D;
+            float *kt = key_cache + (b * kvh_n + h) * D * BS + off;
+            float *vr = value_cache + ((b * kvh_n + h) * BS + off) * D;
+            for (int64_t d = 0; d < D; d++) kt[d * BS] = k[d];
+            memcpy(vr, v, sizeof(float) * D);
+        }
+    }
+}

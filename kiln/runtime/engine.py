@@ -1,0 +1,269 @@
+"""The engine: requests in, one batched step at a time, outputs out.
+
+`LLMEngine` is the synchronous core (add_request / abort / step). `AsyncEngine` runs it on
+a thread of its own and gives each request an async stream of outputs; requests and aborts
+reach the thread through an inbox that is drained between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import xgrammar as xgr
+
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.errors import ContextLengthError
+from kiln.runtime.grammar import GrammarCompilerCache, GrammarState
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.model_loader import LoadedModel
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.request import Request, RequestOutput, RequestStatus
+from kiln.runtime.sampler import Sampler, to_token_logprobs
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+
+log = logging.getLogger("kiln")
+
+
+class ReplyTails:
+    """The token sequences (prompt + reply) of recently finished requests, so that a request
+    continuing one of them while its blocks are still cached starts its penalty window with
+    the end of that reply (contract: "Penalty window and conversations held in the cache")."""
+
+    def __init__(self, block_size: int, capacity: int = 256):
+        self.block_size, self.capacity = block_size, capacity
+        self.entries: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+
+    def record(self, req: Request) -> None:
+        key = tuple(req.all_token_ids)
+        self.entries[key] = list(req.output_token_ids)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def lookup(self, prompt: list[int], num_cached_tokens: int) -> list[int]:
+        best: list[int] = []
+        best_len = 0
+        for seq, reply in self.entries.items():
+            n = len(seq)
+            # Its last token was sampled, never computed: its full blocks end before it.
+            full = (n - 1) // self.block_size * self.block_size
+            if best_len < n < len(prompt) and num_cached_tokens >= full \
+                    and tuple(prompt[:n]) == seq:
+                best, best_len = reply, n
+        return best
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+        self.loaded, self.config = loaded, config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size,
+                                 model_id=f"{loaded.path.name}:{loaded.path.stat().st_size}")
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(loaded.model, loaded.config, config, self.kv)
+        self.sampler = Sampler(self.runner.device, config.use_triton)
+        self.requests: dict[str, Request] = {}
+        self.reply_tails = ReplyTails(config.block_size)
+        self.grammars = GrammarCompilerCache(loaded.tokenizer,
+                                             vocab_size=loaded.config.vocab_size)
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        ctx = self.config.ctx_len
+        if num_prompt_tokens >= ctx or (max_tokens is not None
+                                        and num_prompt_tokens + max_tokens > ctx):
+            raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
+                                     max_tokens=max_tokens, ctx_len=ctx)
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: SamplingParams, max_tokens: int | None = None,
+                     stop_token_ids: frozenset[int] | None = None,
+                     num_top_logprobs: int | None = None, ignore_eos: bool = False,
+                     grammar: xgr.CompiledGrammar | None = None,
+                     grammar_prefix: str = "") -> Request:
+        """Validate against the context; the prompt is never truncated."""
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.check_context(len(prompt_token_ids), max_tokens)
+        room = self.config.ctx_len - len(prompt_token_ids)
+        state = GrammarState(grammar, grammar_prefix) if grammar is not None else None
+        return Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+            max_tokens=min(max_tokens, room) if max_tokens is not None else room,
+            stop_token_ids=stop_token_ids if stop_token_ids is not None
+            else self.loaded.tokenizer.stop_token_ids,
+            num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos and state is None,
+            grammar=state)
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        for req, _ in sched.scheduled:
+            if req.num_computed_tokens == req.num_cached_tokens and not req.output_token_ids \
+                    and req.sampling.seed is None and req.sampling.has_penalties:
+                req.window_prefix = self.reply_tails.lookup(req.prompt_token_ids,
+                                                            req.num_cached_tokens)
+        inp = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(inp)
+        self.scheduler.update_after_step(sched.scheduled)
+        if logits is None:
+            return []
+        reqs = inp.sampling_requests
+        out = self.sampler(logits, reqs)
+        logprobs = to_token_logprobs(out, reqs)
+        now = time.monotonic()
+        outputs = []
+        for req, token, lp in zip(reqs, out.token_ids.tolist(), logprobs):
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = None
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask makes this impossible; finish rather than emit invalid output.
+                log.warning("[kiln]  Request %s sampled token %d outside its grammar",
+                            req.request_id, token)
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in req.stop_token_ids and not req.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.grammar is not None and req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= req.max_tokens \
+                    or req.num_tokens >= self.config.ctx_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self.requests.pop(req.request_id, None)
+                self.reply_tails.record(req)
+            outputs.append(self._output(req, [token], [lp] if lp is not None else None))
+        return outputs
+
+    def _output(self, req: Request, tokens: list[int], logprobs) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs,
+            finished=req.is_finished, finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.block_pool.reset_prefix_cache()
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator; leaving it early aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request: Request):
+        self.engine, self.request = engine, request
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:  # called from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await self.queue.get()
+                yield out
+                if out.finished:
+                    self.finished = True
+                    return
+        finally:
+            if not self.finished:
+                self.engine.abort(self.request.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    def next_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams, **kw) -> RequestStream:
+        """Validates now (raising before any stream starts) and returns the output stream."""
+        req = self.engine.make_request(request_id, prompt_token_ids, sampling, **kw)
+        stream = RequestStream(self, req)
+        self.streams[request_id] = stream
+        self.inbox.put(("add", req))
+        return stream
+
+    def abort(self, request_id: str, reason: str = "client gone") -> None:
+        self.inbox.put(("abort", (request_id, reason)))
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, arg = self.inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self.engine.add_request(arg)
+            elif kind == "abort":
+                request_id, reason = arg
+                out = self.engine.abort(request_id)
+                stream = self.streams.pop(request_id, None)
+                if out is not None:
+                    log.info("[kiln]  Aborted request %s (%s) after %d tokens",
+                             request_id, reason, out.num_output_tokens)
+                    if stream is not None:
+                        stream.put(out)
+            elif kind == "call":
+                arg()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("[kiln]  Engine step failed; aborting the running requests")
+                outputs = [o for r in list(self.engine.requests)
+                           if (o := self.engine.abort(r)) is not None]
+            for out in outputs:
+                stream = self.streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        self.streams.pop(out.request_id, None)
+
+    def run_in_engine_thread(self, fn) -> None:
+        self.inbox.put(("call", fn))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self.inbox.put(("noop", None))
+        self._thread.join(timeout=5)

@@ -1,0 +1,187 @@
+"""Structured output: what a request's text must match, compiled once per model, stepped per token.
+
+`GrammarSpec` is what a request asks for (api/ builds it from response_format / tool_choice).
+`GrammarCompilerCache` turns a spec into an xgrammar `CompiledGrammar` for the loaded model and
+keeps the last few (LRU, thread-safe: call `get` from a worker thread, never on the event loop).
+`GrammarState` is one request's matcher: each step it writes the request's row of the batch's
+token bitmask (`[B, ceil(V / 32)] int32`, bit j of word w allows token 32 * w + j; all-ones rows
+are unconstrained), and it accepts the token the sampler drew. When the grammar is complete it
+allows only the stop tokens; accepting one terminates it, and the request finishes.
+
+V is the model's logits width, which may exceed the tokenizer's vocabulary (padded embeddings):
+the ids past the vocabulary are never allowed. Control tokens other than the stop tokens (SmolLM2's
+`<|im_start|>`, `<repo_name>`, ...) are never allowed either: the detokenizer drops them, so
+letting a grammar spell text with them would corrupt the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import xgrammar as xgr
+
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.tokenizer import Tokenizer
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
+# Whitespace the JSON grammars allow between tokens, in a row: enough for pretty-printed JSON a
+# few levels deep, not enough for a small model to loop on newlines until max_tokens.
+MAX_JSON_WHITESPACE = 24
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a request's output must match. Hashable: equal specs share one compiled grammar.
+
+    text: json_schema -> the schema as JSON text; regex -> the pattern; ebnf -> the grammar
+    (root rule `root`); structural_tag -> xgrammar's structural tag as JSON text; json_object -> "".
+    param: the request field a compile error names (not part of the cache key).
+    """
+
+    kind: str
+    text: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind {self.kind!r} is not one of {GRAMMAR_KINDS}")
+        if self.kind != "json_object" and not self.text:
+            raise ValueError(f"a {self.kind} grammar needs its text")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool, param: str = "response_format") -> GrammarSpec:
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("The JSON schema must be an object (or a boolean).",
+                                      param=param)
+        # Key order is kept: xgrammar writes properties in the schema's order.
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), param)
+
+
+class GrammarCompilerCache:
+    """One xgrammar TokenizerInfo + GrammarCompiler per loaded model, and an LRU of compiled
+    grammars keyed by `GrammarSpec`. `get` may run on any thread, several at once."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None,
+                 capacity: int = 64, max_threads: int = 2) -> None:
+        """vocab_size: the model's logits width (default: the tokenizer's vocabulary)."""
+        vocab = tokenizer.vocab_for_grammar()
+        self.vocab_size = vocab_size or vocab.vocab_size
+        stop = [i for i in vocab.stop_token_ids if i < self.vocab_size]
+        encoded = list(vocab.encoded_vocab[:self.vocab_size])
+        for i in tokenizer.special_token_ids:  # "" makes xgrammar treat a token as special
+            if i < self.vocab_size and i not in tokenizer.stop_token_ids:
+                encoded[i] = ""
+        self.info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab.vocab_type],
+                                      vocab_size=self.vocab_size, stop_token_ids=stop,
+                                      add_prefix_space=vocab.add_prefix_space)
+        # Our LRU is the cache; xgrammar's own would hold every grammar ever compiled.
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads,
+                                            cache_enabled=False)
+        self.capacity = capacity
+        self._entries: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def bitmask_width(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar; raises InvalidRequestError(param=spec.param) if it does not
+        compile. Blocking (milliseconds to a second for big schemas): not on the event loop."""
+        with self._lock:
+            compiled = self._entries.get(spec)
+            if compiled is not None:
+                self._entries.move_to_end(spec)
+                self.hits += 1
+                return compiled
+            self.misses += 1
+        compiled = self._compile(spec)  # outside the lock: other specs compile meanwhile
+        with self._lock:
+            self._entries[spec] = compiled
+            self._entries.move_to_end(spec)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        c = self.compiler
+        try:
+            if spec.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if spec.kind == "json_schema":
+                return c.compile_json_schema(spec.text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return c.compile_grammar(spec.text)
+            return c.compile_structural_tag(spec.text)
+        except (RuntimeError, ValueError) as exc:  # xgrammar's errors; pydantic's too
+            what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind
+            raise InvalidRequestError(f"Invalid {what} in '{spec.param}': "
+                                      f"{_xgrammar_message(exc)}", param=spec.param,
+                                      code="invalid_value") from None
+
+
+class GrammarState:
+    """One request's position in its grammar. Used by the engine thread only."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, prefix: str = "") -> None:
+        """prefix: text already in the reply (continue_final_message) that the grammar must
+        accept first; a prefix it rejects is a 400 on `continue_final_message`."""
+        self.matcher = xgr.GrammarMatcher(compiled)
+        if prefix and not self.matcher.accept_string(prefix):
+            raise InvalidRequestError("The final assistant message does not match the "
+                                      "requested format, so it cannot be continued.",
+                                      param="continue_final_message")
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (a CPU int32 tensor)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it (then the
+        matcher is unchanged and the request should be finished)."""
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted after the grammar completed: the reply is done."""
+        return self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The grammar is matched; only a stop token may follow."""
+        return self.matcher.is_completed()
+
+
+def build_grammar_bitmask(states: list[GrammarState | None], vocab_size: int,
+                          device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The batch's `[B, ceil(V / 32)] int32` mask, row i from states[i]; all ones (-1) where
+    a row has no grammar. None when no row has one (the sampler then skips the mask).
+
+    Filled on the CPU (xgrammar writes host memory), then copied to `device` once.
+    """
+    if all(s is None for s in states):
+        return None
+    pin = torch.device(device).type == "cuda"
+    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32,
+                         pin_memory=pin)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.fill_bitmask(bitmask, row)
+    return bitmask.to(device, non_blocking=pin)
+
+
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    """xgrammar's error without its timestamp and C++ source location."""
+    text = str(exc).strip().splitlines()
+    first = _XGRAMMAR_PREFIX.sub("", text[0]) if text else type(exc).__name__
+    return first.rstrip(".") + "."

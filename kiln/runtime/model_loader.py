@@ -1,0 +1,79 @@
+"""Load a model by catalogue tag or GGUF path: config, weights, tokenizer, chat template."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.backends import make_backend
+from kiln.runtime.catalogue import CatalogueEntry, SamplingDefaults
+from kiln.runtime.chat_template import ChatTemplate
+from kiln.runtime.config import ModelConfig
+from kiln.runtime.gguf_loader import ModelLoadError, open_gguf
+from kiln.runtime.models import gemma3, llama
+from kiln.runtime.models.decoder import DecoderModel
+from kiln.runtime.pull import resolve_model
+from kiln.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("kiln")
+
+ARCHITECTURES = {"llama": llama, "gemma3": gemma3}
+# A GGUF outside the catalogue samples with these until requests say otherwise.
+GENERIC_DEFAULTS = SamplingDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                                    presence_penalty=0.0, frequency_penalty=0.0,
+                                    repetition_penalty=1.0)
+
+
+@dataclass
+class LoadedModel:
+    name: str  # the tag or path the user gave
+    path: Path
+    entry: CatalogueEntry | None
+    config: ModelConfig
+    model: DecoderModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    load_seconds: float
+
+    @property
+    def defaults(self) -> SamplingDefaults:
+        return self.entry.defaults if self.entry else GENERIC_DEFAULTS
+
+    @property
+    def max_prefill_len(self) -> int:
+        return self.entry.max_prefill_len if self.entry else 1024
+
+    @property
+    def ctx_len(self) -> int:
+        return min(self.entry.ctx_len, self.config.max_position) if self.entry \
+            else self.config.max_position
+
+    @property
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        return self.entry.reasoning_tags if self.entry else ("<think>", "</think>")
+
+
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               use_triton: bool = False, backend=None) -> LoadedModel:
+    """backend: where the model runs (runtime/backends); by default the CPU kernels on a
+    CPU (bf16 products with dtype=torch.bfloat16), torch on dense weights otherwise."""
+    t0 = time.perf_counter()
+    path, entry = resolve_model(name)
+    gf = open_gguf(path)
+    family = ARCHITECTURES[gf.arch]
+    config = family.read_config(gf)
+    backend = backend or make_backend(device, dtype, use_triton)
+    try:
+        model = family.build(config, gf, backend)
+    except ValueError as exc:  # a tensor type no backend kernel reads, a bad shape
+        raise ModelLoadError(path, str(exc)) from exc
+    tokenizer = Tokenizer.from_gguf(gf.reader)
+    template = ChatTemplate.from_gguf(gf.reader, fallback=entry.chat_template if entry else None)
+    seconds = time.perf_counter() - t0
+    log.info("[kiln]  Loaded %s (%s, %d layers, %s backend) in %.1f s", name, gf.arch,
+             config.num_layers, backend.name, seconds)
+    return LoadedModel(name, Path(path), entry, config, model, tokenizer, template, seconds)

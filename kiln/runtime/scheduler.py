@@ -1,0 +1,136 @@
+"""Continuous batching with vLLM v1's rule: there is no prefill phase and no decode phase;
+each request's num_computed_tokens catches up with its num_tokens, and one step packs the
+decode tokens of running requests with prefill chunks, under a token budget.
+
+Prefill chunks end on multiples of the chunk length counted from the start of the
+conversation, also after a prefix-cache hit, and a chunk is never split by the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.kv_cache_manager import KVCacheManager
+from kiln.runtime.request import Request, RequestStatus
+
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+def prefill_chunk_plan(start: int, end: int, chunk_len: int) -> list[int]:
+    """Sizes of the chunks that read tokens [start, end), each ending on a multiple of
+    chunk_len from position 0 (or at end)."""
+    sizes, pos = [], start
+    while pos < end:
+        stop = min(end, (pos // chunk_len + 1) * chunk_len)
+        sizes.append(stop - pos)
+        pos = stop
+    return sizes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _num_new_tokens(self, request: Request, num_computed: int) -> int:
+        """Up to the next chunk boundary: decode rows get their one token."""
+        chunk = self.config.prefill_chunk_len
+        boundary = (num_computed // chunk + 1) * chunk
+        return min(request.num_tokens, boundary) - num_computed
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.token_budget
+        # Running requests first, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens)
+            if n > budget:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+                i += 1
+        # Then admit waiting requests while blocks, budget and seats allow.
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            n = self._num_new_tokens(req, num_cached)
+            if n > budget:
+                break
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        for req, n in out.scheduled:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self._log_prefill_chunk(req, n)
+        return out
+
+    def _log_prefill_chunk(self, req: Request, n: int) -> None:
+        if req.num_prefill_chunks == 0:
+            req.prefill_plan = prefill_chunk_plan(req.num_computed_tokens, req.num_tokens,
+                                                  self.config.prefill_chunk_len)
+        req.num_prefill_chunks += 1
+        log.info("[kiln]  Prefill chunk %d/%d with %d tokens", req.num_prefill_chunks,
+                 len(req.prefill_plan), n)
+
+    def _preempt(self, req: Request) -> None:
+        """Free its blocks; it is recomputed later (its output tokens become prompt-like)."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_prefill_chunks = 0
+        self.waiting.appendleft(req)
+        log.info("[kiln]  Preempted request %s (out of KV blocks)", req.request_id)
+
+    def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
