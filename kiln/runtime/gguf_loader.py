@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 _GGUF_MAGIC = b"GGUF"
 
 

@@ -21,7 +21,7 @@ from kiln.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln")
 
-ARCHITECTURES = {"llama": llama, "gemma3": gemma3}
+ARCHITECTURES = {arch: llama for arch in llama.ARCHS} | {"gemma3": gemma3}
 # A GGUF outside the catalogue samples with these until requests say otherwise.
 GENERIC_DEFAULTS = SamplingDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                     presence_penalty=0.0, frequency_penalty=0.0,

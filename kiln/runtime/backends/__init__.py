@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 log = logging.getLogger("kiln")
@@ -21,13 +22,13 @@ log = logging.getLogger("kiln")
 
 class RopeTable:
     """cos and sin of RoPE's angles for every position: [max_position, rot_dim / 2] fp32.
-    `scaling` (Llama 3's per-frequency factors) divides the inverse frequencies."""
+    `inv_freq_scale` (Llama 3's per-frequency factors) divides the inverse frequencies."""
 
     def __init__(self, rot_dim: int, max_position: int, base: float, device,
                  inv_freq_scale: torch.Tensor | None = None):
         inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
         if inv_freq_scale is not None:
-            inv_freq = inv_freq / inv_freq_scale.to(torch.float64)
+            inv_freq = inv_freq / torch.tensor(np.array(inv_freq_scale, dtype=np.float64))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
         self.rot_dim = rot_dim
         self.cos = freqs.cos().to(device=device, dtype=torch.float32).contiguous()

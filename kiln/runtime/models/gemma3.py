@@ -27,6 +27,7 @@ import numpy as np
 
 from kiln.runtime.config import ModelConfig
 from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
+from kiln.runtime.models import tensors
 from kiln.runtime.models.decoder import DecoderLayer, DecoderModel
 
 # Not in Gemma 3's GGUF metadata: llama.cpp and transformers hard-code them for the arch.
@@ -35,11 +36,10 @@ ROPE_LOCAL_THETA = 10000.0
 
 
 def read_config(gf: GGUFFile) -> ModelConfig:
-    num_heads = int(gf.arch_field("attention.head_count"))
     hidden = int(gf.arch_field("embedding_length"))
+    num_heads = int(gf.arch_field("attention.head_count"))
     num_layers = int(gf.arch_field("block_count"))
     head_dim = int(gf.arch_field("attention.key_length", hidden // num_heads))
-    vocab = gf.arch_field("vocab_size") or len(gf.field("tokenizer.ggml.tokens"))
     scaling = gf.arch_field("rope.scaling.type")
     factor = float(gf.arch_field("rope.scaling.factor", 1.0))
     if scaling not in (None, "none") and factor != 1.0:
@@ -47,19 +47,11 @@ def read_config(gf: GGUFFile) -> ModelConfig:
                                       "for gemma3 yet")
     # llama.cpp: 1/sqrt(head_dim), except the 27B model (62 layers): 1/sqrt(hidden / heads).
     query_pre_attn_scalar = hidden // num_heads if num_layers == 62 else head_dim
-    return ModelConfig(
-        arch="gemma3",
-        num_layers=num_layers,
-        hidden_size=hidden,
-        intermediate_size=int(gf.arch_field("feed_forward_length")),
-        num_heads=num_heads,
-        num_kv_heads=int(gf.arch_field("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        vocab_size=int(vocab),
-        max_position=int(gf.arch_field("context_length")),
+    return tensors.read_config(
+        gf,
         rope_theta=float(gf.arch_field("rope.freq_base", 1_000_000.0)),
         rms_norm_eps=float(gf.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings=not gf.has("output.weight"),
+        rope_dim=head_dim,
         activation="gelu_tanh",
         # HF casts sqrt(hidden) to the weights' dtype (55.4256 -> 55.5 in bf16); fp32 here.
         embedding_scale=float(np.float32(hidden ** 0.5)),
@@ -72,8 +64,8 @@ def read_config(gf: GGUFFile) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, gf: GGUFFile, backend) -> DecoderModel:
-    rope_global = backend.rope_table(cfg.head_dim, cfg.max_position, cfg.rope_theta)
-    rope_local = backend.rope_table(cfg.head_dim, cfg.max_position, cfg.rope_local_theta)
+    rope_global = backend.rope_table(cfg.rotary_dim, cfg.max_position, cfg.rope_theta)
+    rope_local = backend.rope_table(cfg.rotary_dim, cfg.max_position, cfg.rope_local_theta)
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
@@ -83,8 +75,7 @@ def build(cfg: ModelConfig, gf: GGUFFile, backend) -> DecoderModel:
 
         layers.append(DecoderLayer(
             attn_norm=vec("attn_norm.weight"),
-            qkv=backend.linear([gf.weight(p + "attn_q.weight"), gf.weight(p + "attn_k.weight"),
-                                gf.weight(p + "attn_v.weight")]),
+            qkv=tensors.attention_qkv(gf, backend, p, cfg),
             o=backend.linear([gf.weight(p + "attn_output.weight")]),
             ffn_norm=vec("ffn_norm.weight"),
             gate_up=backend.linear([gf.weight(p + "ffn_gate.weight"),
@@ -97,8 +88,4 @@ def build(cfg: ModelConfig, gf: GGUFFile, backend) -> DecoderModel:
             post_attn_norm=vec("post_attention_norm.weight"),
             post_ffn_norm=vec("post_ffw_norm.weight"),
         ))
-    embed = backend.embedding(gf.weight("token_embd.weight"))
-    head = None if cfg.tie_word_embeddings else gf.weight("output.weight")
-    return DecoderModel(cfg, backend, embed, layers,
-                        backend.vector(gf.vector("output_norm.weight")),
-                        backend.lm_head(embed, head))
+    return tensors.finish(cfg, gf, backend, layers)

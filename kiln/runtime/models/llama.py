@@ -1,61 +1,55 @@
-"""Llama (SmolLM2 and friends): RMSNorm, RoPE, GQA attention over the paged cache, SwiGLU."""
+"""The llama family and the families that share its skeleton (pre-norm blocks, GQA attention,
+RoPE, a SwiGLU MLP), told apart by what their GGUFs hold rather than by name:
+
+- llama: SmolLM2, Llama 2 and 3.x (3.x's rope scaling comes as `rope_freqs.weight`), and
+  Mistral, which llama.cpp converts to the llama architecture. llama.cpp's converter permutes
+  llama's Q/K rows for its RoPE; they are put back in Hugging Face's order at load.
+- qwen2 (Qwen2, Qwen2.5): biases on Q, K and V.
+- qwen3: an RMSNorm over each query and key head (QK-norm) before RoPE, and a head size of its
+  own (`attention.key_length`, not hidden / heads).
+- phi3 (Phi-3 mini): Q, K and V fused in one `attn_qkv` tensor, gate and up in one `ffn_up`;
+  a sliding window over every layer where the file gives one. LongRoPE files are refused.
+
+Only llama's rows are permuted: llama.cpp runs the other three with NeoX RoPE on the
+checkpoint's own order.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-
 from kiln.runtime.config import ModelConfig
-from kiln.runtime.gguf_loader import GGUFFile
+from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
+from kiln.runtime.models import tensors
 from kiln.runtime.models.decoder import DecoderLayer, DecoderModel
+
+ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# llama.cpp's defaults where a file leaves the key out
+_DEFAULT_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "phi3": 1e-5}
 
 
 def read_config(gf: GGUFFile) -> ModelConfig:
-    num_heads = int(gf.arch_field("attention.head_count"))
-    hidden = int(gf.arch_field("embedding_length"))
-    vocab = gf.arch_field("vocab_size") or len(gf.field("tokenizer.ggml.tokens"))
-    return ModelConfig(
-        arch="llama",
-        num_layers=int(gf.arch_field("block_count")),
-        hidden_size=hidden,
-        intermediate_size=int(gf.arch_field("feed_forward_length")),
-        num_heads=num_heads,
-        num_kv_heads=int(gf.arch_field("attention.head_count_kv", num_heads)),
-        head_dim=int(gf.arch_field("rope.dimension_count", hidden // num_heads)),
-        vocab_size=int(vocab),
-        max_position=int(gf.arch_field("context_length")),
-        rope_theta=float(gf.arch_field("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(gf.arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings=not gf.has("output.weight"),
-    )
-
-
-def rope_unpermutation(rows: int, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter interleaves each head's Q/K rows for its RoPE: the row order that
-    undoes it (Hugging Face's order, rotated with rotate_half)."""
-    return np.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(0, 2, 1) \
-        .reshape(-1)
+    if gf.has("rope_factors_long.weight"):
+        raise ModelLoadError(gf.path, "LongRoPE (rope_factors_long) is not supported yet")
+    eps = float(gf.arch_field("attention.layer_norm_rms_epsilon", _DEFAULT_EPS[gf.arch]))
+    window = int(gf.arch_field("attention.sliding_window", 0) or 0) if gf.arch == "phi3" else 0
+    return tensors.read_config(gf, rms_norm_eps=eps, sliding_window=window)
 
 
 def build(cfg: ModelConfig, gf: GGUFFile, backend) -> DecoderModel:
-    rope = backend.rope_table(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    rope = backend.rope_table(cfg.rotary_dim, cfg.max_position, cfg.rope_theta,
+                              tensors.rope_inv_freq_scale(gf, cfg))
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        q, k = gf.weight(p + "attn_q.weight"), gf.weight(p + "attn_k.weight")
-        q = q.permute_rows(rope_unpermutation(q.rows, cfg.num_heads))
-        k = k.permute_rows(rope_unpermutation(k.rows, cfg.num_kv_heads))
         layers.append(DecoderLayer(
             attn_norm=backend.vector(gf.vector(p + "attn_norm.weight")),
-            qkv=backend.linear([q, k, gf.weight(p + "attn_v.weight")]),
+            qkv=tensors.attention_qkv(gf, backend, p, cfg, unpermute_qk=cfg.arch == "llama"),
             o=backend.linear([gf.weight(p + "attn_output.weight")]),
             ffn_norm=backend.vector(gf.vector(p + "ffn_norm.weight")),
-            gate_up=backend.linear([gf.weight(p + "ffn_gate.weight"),
-                                    gf.weight(p + "ffn_up.weight")]),
+            gate_up=tensors.mlp_gate_up(gf, backend, p, cfg),
             down=backend.linear([gf.weight(p + "ffn_down.weight")]),
             rope=rope,
+            sliding_window=cfg.sliding_window,
+            q_norm=tensors.vector_or_none(gf, backend, p + "attn_q_norm.weight"),
+            k_norm=tensors.vector_or_none(gf, backend, p + "attn_k_norm.weight"),
         ))
-    embed = backend.embedding(gf.weight("token_embd.weight"))
-    head = None if cfg.tie_word_embeddings else gf.weight("output.weight")
-    return DecoderModel(cfg, backend, embed, layers,
-                        backend.vector(gf.vector("output_norm.weight")),
-                        backend.lm_head(embed, head))
+    return tensors.finish(cfg, gf, backend, layers)
