@@ -222,7 +222,10 @@ async def run_bench(cfg: BenchConfig, quiet: bool = False) -> list[LevelResult]:
     """Each prompt set at each concurrency level; request indices never repeat within a set,
     so a level never finds the previous level's prompts in a prefix cache."""
     total = len(cfg.prompt_sets) * (cfg.warmup + sum(map(cfg.requests_at, cfg.concurrency)))
-    limits, levels = httpx.Limits(max_connections=max(cfg.concurrency) + 4), []
+    # A connection per request: llama-server closes idle keep-alive connections, and a request
+    # sent on one as it closes fails with no response; a loopback connect costs ~0.1 ms.
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=0)
+    levels = []
     with tqdm(total=total, desc=cfg.label, unit="req", file=sys.stderr, disable=quiet) as bar:
         async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=cfg.timeout,
                                      headers={"Authorization": "Bearer bench"}) as client:
