@@ -9,7 +9,8 @@ extra passes are what this number tells against) in extra_info.
 import pytest
 import torch
 
-from kiln.kernels.sampling import SamplingMetadata, sample, sample_ref
+from kiln.kernels.sampling import SamplingMetadata, sample
+from kiln.kernels.sampling_ref import sample_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kiln.runtime.config import EngineConfig  # noqa: E402
-from kiln.runtime.engine import LLMEngine  # noqa: E402
-from kiln.runtime.model_loader import load_model  # noqa: E402
-from kiln.runtime.sampling_params import SamplingParams  # noqa: E402
+from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from kiln.runtime.models.loader import load_model  # noqa: E402
+from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def kiln_figures(path: str, prompt: list[int], n_decode: int) -> dict:
-    from kiln.runtime.config import EngineConfig
-    from kiln.runtime.engine import LLMEngine
-    from kiln.runtime.model_loader import load_model
-    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.engine.config import EngineConfig
+    from kiln.runtime.engine.llm_engine import LLMEngine
+    from kiln.runtime.models.loader import load_model
+    from kiln.runtime.sampling.params import SamplingParams
 
     t = time.perf_counter()
     loaded = load_model(path)
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
-    from kiln.runtime.pull import resolve_model
+    from kiln.runtime.store.pull import resolve_model
 
     path = str(resolve_model(args.model)[0])
     prompt = [(7 * i + 1000) % 40000 + 100 for i in range(args.prompt_tokens)]

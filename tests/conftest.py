@@ -20,7 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path to the default model's GGUF, pulled into the model cache on first use."""
-    from kiln.runtime.pull import ensure_model
+    from kiln.runtime.store.pull import ensure_model
 
     return str(ensure_model("smollm2:135m"))
 
@@ -28,7 +28,7 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf):
     """The default model, loaded once per test session (as `kiln serve` loads it on a CPU)."""
-    from kiln.runtime.model_loader import load_model
+    from kiln.runtime.models.loader import load_model
 
     return load_model("smollm2:135m")
 
@@ -36,8 +36,8 @@ def smollm2(smollm2_gguf):
 @pytest.fixture
 def make_engine(smollm2):
     """Build an LLMEngine on the shared model with a given KV budget and batch size."""
-    from kiln.runtime.config import EngineConfig
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.engine.config import EngineConfig
+    from kiln.runtime.engine.llm_engine import LLMEngine
 
     def build(kv_cache_tokens: int = 16384, max_num_seqs: int = 64, ctx_len: int | None = None,
               prefill_chunk_len: int | None = None, model=None):

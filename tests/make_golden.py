@@ -48,6 +48,9 @@ LONG_PROMPT = [{"role": "user", "content": "Read these notes.\n" + _long_notes()
                 + "\nWhich animal sleeps in room 37, and what colour is it?"}]
 
 
+CODE_PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+
+
 @dataclass(frozen=True)
 class GoldenSet:
     prompts: list  # chat message lists
@@ -56,13 +59,14 @@ class GoldenSet:
 
 
 def golden_sets() -> dict[str, GoldenSet]:
-    from kiln.runtime.catalogue import GEMMA_CHAT_TEMPLATE
+    from kiln.runtime.store.catalogue import GEMMA_CHAT_TEMPLATE
 
     return {
         "smollm2:135m": GoldenSet(PROMPTS, [NUM_GREEDY] * len(PROMPTS)),
         # The GGUF carries no chat template: the catalogue's is rendered by transformers.
         "gemma3:270m": GoldenSet(PROMPTS + [LONG_PROMPT], [16] * len(PROMPTS) + [8],
                                  GEMMA_CHAT_TEMPLATE),
+        "qwen2.5-coder:0.5b": GoldenSet(PROMPTS + [CODE_PROMPT], [16] * (len(PROMPTS) + 1)),
     }
 
 
@@ -110,7 +114,7 @@ if __name__ == "__main__":
     if args.gguf:
         path = args.gguf
     else:
-        from kiln.runtime.pull import ensure_model
+        from kiln.runtime.store.pull import ensure_model
 
         path = str(ensure_model(args.model))
     main(path, sets[args.model])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.attention_metadata import AttentionMetadata
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 

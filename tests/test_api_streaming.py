@@ -204,7 +204,7 @@ def test_repeated_long_prompt_reports_cached_tokens(client):
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.runtime.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_gguf)
 

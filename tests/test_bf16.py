@@ -11,11 +11,11 @@ import torch
 from paged import PagedSequence
 
 from kiln.runtime.backends.cpu.bf16 import PackedBf16, bf16_refusal, bf16_supported
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.engine import LLMEngine
-from kiln.runtime.gguf_loader import WeightSource
-from kiln.runtime.model_loader import load_model
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.llm_engine import LLMEngine
+from kiln.runtime.models.loader import load_model
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.store.gguf_file import WeightSource
 
 GOLDEN = Path(__file__).parent / "golden"
 # bf16 rounding moves a logit by at most about 0.26 here (measured on the golden prompts): a

@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.runtime.block_pool import BlockPool
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.request import Request
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.engine.request import Request
+from kiln.runtime.kv.block_pool import BlockPool
+from kiln.runtime.kv.kv_cache_manager import KVCacheManager
+from kiln.runtime.sampling.params import SamplingParams
 
 BS = 16
 

@@ -1,4 +1,4 @@
-"""kiln.runtime.chat_template against transformers' apply_chat_template on the same GGUF."""
+"""kiln.runtime.text.chat_template against transformers' apply_chat_template on the same GGUF."""
 
 import os
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kiln.runtime.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError  # noqa: E402
-from kiln.runtime.tokenizer import Tokenizer  # noqa: E402
+from kiln.runtime.text.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError  # noqa: E402
+from kiln.runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 SINGLE_TURN = [{"role": "user", "content": "What is the capital of France?"}]
 MULTI_TURN = [

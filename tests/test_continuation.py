@@ -5,8 +5,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kiln.api.continuation import continuation_prompt
-from kiln.runtime.catalogue import GEMMA_CHAT_TEMPLATE
+from kiln.api.errors import http_status
 from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.store.catalogue import GEMMA_CHAT_TEMPLATE
 
 # A template that writes content exactly as sent, and one that trims it (like Gemma's).
 PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -61,7 +62,7 @@ def test_inner_whitespace_and_newlines_are_part_of_the_text():
 def test_a_template_that_changes_the_text_is_a_400():
     with pytest.raises(InvalidRequestError) as e:
         continuation_prompt("<|assistant|>\nTHE ANSWER IS:<|end|>\n", "The answer is:")
-    assert e.value.param == "continue_final_message" and e.value.status == 400
+    assert e.value.param == "continue_final_message" and http_status(e.value) == 400
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])

@@ -13,12 +13,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from kiln.kernels.attention import paged_attention_ref
-from kiln.runtime.attention_metadata import AttentionMetadata
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.backend import CpuBackend, PackedLinear
 from kiln.runtime.backends.cpu.packing import BLOCK_BYTES, SB, pack
-from kiln.runtime.gguf_loader import WeightSource
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.store.gguf_file import WeightSource
 
 QUANTIZED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 FLOATS = [Q.F32, Q.F16, Q.BF16]

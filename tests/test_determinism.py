@@ -6,7 +6,7 @@ with no flag)."""
 import pytest
 from conftest import run_to_completion
 
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling.params import SamplingParams
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, min_p=0.0,
                         repetition_penalty=1.1, presence_penalty=0.3, seed=1234)

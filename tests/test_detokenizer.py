@@ -1,11 +1,11 @@
-"""kiln.runtime.detokenizer: streamed text equals Tokenizer.decode of the whole sequence."""
+"""kiln.runtime.text.detokenizer: streamed text equals Tokenizer.decode of the whole sequence."""
 
 import random
 
 import pytest
 
-from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.detokenizer import IncrementalDetokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 MULTIBYTE = [
     "😀", "👍🏽 thumbs", "👨‍👩‍👧‍👦 family", "🇫🇷🇯🇵🇧🇷", "I ❤️ Zürich", "🤖🚀🔥🎉", "a😀b😃c",

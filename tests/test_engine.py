@@ -4,7 +4,7 @@ import pytest
 from conftest import run_to_completion
 
 from kiln.runtime.errors import ContextLengthError
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
 
@@ -49,8 +49,8 @@ PROMPTS = ["What is the capital of France?", "Name a colour.", "Count to five.",
 
 @pytest.fixture(scope="module")
 def solo_outputs(smollm2):
-    from kiln.runtime.config import EngineConfig
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.engine.config import EngineConfig
+    from kiln.runtime.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig.build(smollm2.ctx_len, smollm2.max_prefill_len, kv_cache_tokens=4096)
     outs = {}

@@ -17,7 +17,7 @@ from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.cpu.backend import CpuBackend
 from kiln.runtime.backends.dense import DenseBackend
-from kiln.runtime.model_loader import load_model
+from kiln.runtime.models.loader import load_model
 from kiln.runtime.models.tensors import qk_unpermutation
 
 PROMPT = [504, 3458, 282, 4649, 314, 5248, 30, 378, 1233, 28, 17, 216, 9104, 253, 1099, 42]
@@ -172,8 +172,8 @@ def test_greedy_continuation_matches_transformers(family):
 def test_what_sets_a_family_apart_changes_the_logits(family):
     """The tests above can fail: reading a family's file as plain llama (no rope factors, no
     bias, no QK-norm, the rows in the other order) gives other logits."""
-    from kiln.runtime.gguf_loader import open_gguf
     from kiln.runtime.models import llama, tensors
+    from kiln.runtime.store.gguf_file import open_gguf
 
     arch, path, ref, _ = family
     if arch in ("phi3",):

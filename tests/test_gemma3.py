@@ -20,13 +20,13 @@ from test_tokenizer import CATEGORIES  # noqa: E402
 
 from kiln.runtime.backends.cpu.backend import CpuBackend  # noqa: E402
 from kiln.runtime.backends.cpu.bf16 import bf16_supported  # noqa: E402
-from kiln.runtime.catalogue import lookup  # noqa: E402
-from kiln.runtime.chat_template import ChatTemplate, TemplateError  # noqa: E402
-from kiln.runtime.gguf_loader import open_gguf  # noqa: E402
 from kiln.runtime.models import gemma3  # noqa: E402
 from kiln.runtime.models.decoder import DecoderModel  # noqa: E402
 from kiln.runtime.models.gemma3 import read_config  # noqa: E402
-from kiln.runtime.tokenizer import Tokenizer  # noqa: E402
+from kiln.runtime.store.catalogue import lookup  # noqa: E402
+from kiln.runtime.store.gguf_file import open_gguf  # noqa: E402
+from kiln.runtime.text.chat_template import ChatTemplate, TemplateError  # noqa: E402
+from kiln.runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 TAG = "gemma3:270m"
 GOLDEN = Path(__file__).parent / "golden"
@@ -54,7 +54,7 @@ ALL_STRINGS = [s for strings in CATEGORIES.values() for s in strings]
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    from kiln.runtime.pull import ensure_model
+    from kiln.runtime.store.pull import ensure_model
 
     return ensure_model(TAG)
 
@@ -126,7 +126,7 @@ def test_rope_scaling_is_refused_not_ignored(gf):
     so such a file must fail to load rather than run with wrong positions."""
     from types import SimpleNamespace
 
-    from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
+    from kiln.runtime.store.gguf_file import GGUFFile, ModelLoadError
 
     def value(v):
         return SimpleNamespace(contents=lambda: v)
@@ -382,7 +382,7 @@ def test_without_the_window_long_prompt_logits_do_not_match(gf, long_case, golde
 
 
 def test_load_model_wires_gemma3(gf, monkeypatch):
-    from kiln.runtime import model_loader
+    from kiln.runtime.models import loader as model_loader
 
     opened = []
 

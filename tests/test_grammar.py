@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.grammar import (
+from kiln.runtime.sampling.grammar import (
     GrammarCompilerCache,
     GrammarSpec,
     GrammarState,
     build_grammar_bitmask,
 )
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 V = 49152  # SmolLM2's vocabulary and logits width
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kiln.runtime.gguf_loader import ModelLoadError, open_gguf
-from kiln.runtime.pull import PullError, resolve_model
+from kiln.runtime.store.gguf_file import ModelLoadError, open_gguf
+from kiln.runtime.store.pull import PullError, resolve_model
 
 
 def test_non_gguf_file_is_rejected_by_name(tmp_path):

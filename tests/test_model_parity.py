@@ -16,8 +16,8 @@ from paged import PagedSequence
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.backend import CpuBackend
 from kiln.runtime.backends.dense import DenseBackend
-from kiln.runtime.gguf_loader import open_gguf
 from kiln.runtime.models import llama
+from kiln.runtime.store.gguf_file import open_gguf
 
 GOLDEN = Path(__file__).parent / "golden"
 LOGITS_ATOL = 1e-3  # measured: about 5e-5 to 1e-4 on all three prompts

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kiln.runtime.penalty_window import window_tokens
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.sampling.penalty_window import window_tokens
 
 
 def grow(n, tokens, carried=()):

@@ -2,11 +2,11 @@
 
 import logging
 
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.request import Request
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler, prefill_chunk_plan
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.request import Request
+from kiln.runtime.engine.scheduler import Scheduler, prefill_chunk_plan
+from kiln.runtime.kv.kv_cache_manager import KVCacheManager
+from kiln.runtime.sampling.params import SamplingParams
 
 
 def _run_prefill(sched: Scheduler, req: Request) -> list[int]:

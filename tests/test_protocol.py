@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from kiln.api.errors import error_response
+from kiln.api.errors import InternalServerError, error_body, error_response, http_status
 from kiln.api.protocol import (
     ChatMessage,
     ResponseFormat,
@@ -17,11 +17,10 @@ from kiln.api.protocol import (
 )
 from kiln.runtime.errors import (
     ContextLengthError,
-    InternalServerError,
     InvalidRequestError,
     ModelNotFoundError,
 )
-from kiln.runtime.sampling_settings import SamplingFields
+from kiln.runtime.sampling.settings import SamplingFields
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -38,8 +37,8 @@ def rejects(parse, body, param):
     with pytest.raises(InvalidRequestError) as e:
         parse(body)
     err = e.value
-    assert err.status == 400 and err.param == param, (err.param, err.message)
-    assert err.to_body()["error"]["type"] == "invalid_request_error"
+    assert http_status(err) == 400 and err.param == param, (err.param, err.message)
+    assert error_body(err)["error"]["type"] == "invalid_request_error"
     return err
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import run_to_completion
 
-from kiln.runtime.attention_metadata import AttentionMetadata
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.sampling.params import SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden"
 

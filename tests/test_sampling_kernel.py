@@ -12,14 +12,8 @@ from conftest import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.kernels.sampling import (
-    SamplingMetadata,
-    _uniform,
-    philox_uniform_ref,
-    sample,
-    sample_ref,
-    unpack_bitmask,
-)
+from kiln.kernels.sampling import SamplingMetadata, _uniform, sample
+from kiln.kernels.sampling_ref import philox_uniform_ref, sample_ref, unpack_bitmask
 
 NEG_INF = float("-inf")
 ROW_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, freq=0.0, pres=0.0,

@@ -5,10 +5,10 @@ from dataclasses import fields
 
 import pytest
 
-from kiln.runtime.catalogue import CATALOGUE, SamplingDefaults
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.sampling_settings import STICKY_FIELDS, SamplingFields, SamplingSettings
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.sampling.settings import STICKY_FIELDS, SamplingFields, SamplingSettings
+from kiln.runtime.store.catalogue import CATALOGUE, SamplingDefaults
 
 SMOL = CATALOGUE["smollm2:135m"].defaults  # temperature 0.2, top_p 0.9, top_k 40, ...
 WITH_PRESENCE = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0,

@@ -1,4 +1,5 @@
-"""kiln.runtime.tokenizer against transformers loading the same GGUF (AutoTokenizer, gguf_file=)."""
+"""kiln.runtime.text.tokenizer against transformers loading the same GGUF (AutoTokenizer,
+gguf_file=)."""
 
 import os
 import random
@@ -9,7 +10,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kiln.runtime.tokenizer import GGUFVocab, Tokenizer  # noqa: E402
+from kiln.runtime.text.tokenizer import GGUFVocab, Tokenizer  # noqa: E402
 
 ASCII = [
     "Hello world", "hello world", "Hello, world!", "The quick brown fox jumps over the lazy dog.",
@@ -269,7 +270,7 @@ def test_pre_tokenizer_regexes_are_the_ones_transformers_uses():
     """Files other than SmolLM2's (Llama 3, Qwen 2) split text with these; no such file here,
     so compare the table itself."""
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
-    from kiln.runtime.tokenizer import _PRE_TOKENIZER_SPLITS
+    from kiln.runtime.text.tokenizer import _PRE_TOKENIZER_SPLITS
 
     for name, regex in _PRE_TOKENIZER_SPLITS.items():
         assert mapping.GGUF_PRE_TOKENIZER_SPLITS.get(name) == regex, name

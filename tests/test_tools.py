@@ -17,10 +17,10 @@ from kiln.api.tools import (
     tool_format_for,
     tool_messages,
 )
-from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.grammar import GrammarCompilerCache, GrammarState
-from kiln.runtime.tokenizer import Tokenizer, gguf_reader
+from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
+from kiln.runtime.text.chat_template import ChatTemplate
+from kiln.runtime.text.tokenizer import Tokenizer, gguf_reader
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

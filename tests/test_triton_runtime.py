@@ -13,11 +13,11 @@ from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.cpu.backend import CpuBackend
 from kiln.runtime.backends.dense import DenseBackend
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.engine import LLMEngine
-from kiln.runtime.grammar import GrammarSpec
-from kiln.runtime.model_loader import load_model
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.llm_engine import LLMEngine
+from kiln.runtime.models.loader import load_model
+from kiln.runtime.sampling.grammar import GrammarSpec
+from kiln.runtime.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from kiln.runtime.catalogue import CATALOGUE, DEFAULT_MODEL
+from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 
 DTYPE_HELP = ("float32: kiln's CPU kernels on the GGUF's own blocks, logits match transformers, "
               "a request's bits do not depend on its batch; bfloat16: the linear layers in bf16 "
@@ -25,21 +25,18 @@ def _dtype_refusal(args) -> str | None:
     return bf16_refusal(torch.cuda.is_available())
 
 
-def _engine_config(loaded, args, **kw):
-    import torch
+def engine_options(args):
+    """The engine options of `kiln run` or `kiln serve` (run has no batching flags)."""
+    from kiln.runtime.engine.bootstrap import EngineOptions
 
-    from kiln.runtime.config import EngineConfig
-
-    cuda = torch.cuda.is_available()
-    return EngineConfig.build(
-        loaded.ctx_len, loaded.max_prefill_len, ctx_len=getattr(args, "ctx_len", None),
-        prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
-        kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-        device="cuda" if cuda else "cpu", use_triton=cuda, **kw)
+    return EngineOptions(ctx_len=args.ctx_len,
+                         prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
+                         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+                         max_num_seqs=getattr(args, "max_num_seqs", 64), dtype=args.dtype)
 
 
 def cmd_pull(args) -> int:
-    from kiln.runtime.pull import PullError, ensure_model
+    from kiln.runtime.store.pull import PullError, ensure_model
 
     try:
         path = ensure_model(args.model)
@@ -51,29 +48,23 @@ def cmd_pull(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import torch
-
-    from kiln.runtime.detokenizer import IncrementalDetokenizer
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.engine.bootstrap import build_engine
     from kiln.runtime.errors import KilnError
-    from kiln.runtime.gguf_loader import ModelLoadError
-    from kiln.runtime.model_loader import load_model
-    from kiln.runtime.pull import PullError
-    from kiln.runtime.sampling_settings import SamplingFields, SamplingSettings
+    from kiln.runtime.sampling.settings import SamplingFields, SamplingSettings
+    from kiln.runtime.store.gguf_file import ModelLoadError
+    from kiln.runtime.store.pull import PullError
+    from kiln.runtime.text.detokenizer import IncrementalDetokenizer
 
     try:
-        loaded = load_model(args.model, device="cuda" if _cuda() else "cpu", use_triton=_cuda(),
-                            dtype=getattr(torch, args.dtype))
+        loaded, engine = build_engine(args.model, engine_options(args))
     except (PullError, ModelLoadError) as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 1
-    engine = LLMEngine(loaded, _engine_config(loaded, args))
     settings = SamplingSettings(loaded.defaults)
     sampling = settings.admit(SamplingFields(temperature=args.temperature, seed=args.seed))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
-    text = loaded.chat_template.render(messages, add_generation_prompt=True)
-    ids = loaded.tokenizer.encode(text)
+    ids = loaded.chat_prompt_ids(messages)
     try:
         req = engine.make_request("run-0", ids, sampling, max_tokens=args.max_tokens)
     except KilnError as exc:
@@ -102,16 +93,15 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def cmd_serve(args) -> int:
     from kiln.api.server import serve
+    from kiln.api.state import ServeOptions
 
-    return serve(args)
+    if args.deterministic:
+        logging.getLogger("kiln").info(
+            "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
+    options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling)
+    return serve(args.model, options, args.host, args.port)
 
 
 def build_parser() -> argparse.ArgumentParser:

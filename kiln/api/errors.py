@@ -1,8 +1,9 @@
-"""The one place where exceptions become HTTP error responses in OpenAI's shape.
+"""The one place where exceptions become HTTP error responses in OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`, with the status the contract names.
 
-The error classes live in runtime/errors.py so the engine can raise them without importing
-api/. The server calls `error_response` from its exception handler and sends the body as
-JSON with the returned status; nothing else builds error bodies.
+The runtime raises its typed errors (runtime/errors.py) without knowing HTTP; this module maps
+each class to a status and OpenAI's error `type`. The server calls `error_response` from its
+exception handler; nothing else builds error bodies.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 
 from kiln.runtime.errors import (
     ContextLengthError,
-    InternalServerError,
     InvalidRequestError,
     KilnError,
     ModelNotFoundError,
@@ -23,10 +23,45 @@ __all__ = [
     "InvalidRequestError",
     "KilnError",
     "ModelNotFoundError",
+    "error_body",
     "error_response",
+    "http_status",
 ]
 
 logger = logging.getLogger("kiln")
+
+
+class InternalServerError(KilnError):
+    """A bug or a failure on our side (500); the message carries the request id to quote."""
+
+    def __init__(self, request_id: str, detail: str = "") -> None:
+        message = f"The server had an error while processing request {request_id}."
+        if detail:
+            message += f" {detail}"
+        super().__init__(message, param=None, code=None)
+        self.request_id = request_id
+
+
+# Most specific first: (class, HTTP status, OpenAI error type)
+_HTTP = (
+    (ContextLengthError, 400, "model_error"),  # the reference runtime's body, word for word
+    (ModelNotFoundError, 404, "invalid_request_error"),
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (KilnError, 500, "server_error"),
+)
+
+
+def _mapping(exc: KilnError) -> tuple[int, str]:
+    return next((status, kind) for cls, status, kind in _HTTP if isinstance(exc, cls))
+
+
+def http_status(exc: KilnError) -> int:
+    return _mapping(exc)[0]
+
+
+def error_body(exc: KilnError) -> dict:
+    return {"error": {"message": exc.message, "type": _mapping(exc)[1], "param": exc.param,
+                      "code": exc.code}}
 
 
 def error_response(exc: BaseException, request_id: str) -> tuple[int, dict]:
@@ -35,8 +70,7 @@ def error_response(exc: BaseException, request_id: str) -> tuple[int, dict]:
     Typed errors map to their own status and body. Anything else is a bug: its traceback
     goes to the log and the client gets a 500 that quotes the request id.
     """
-    if isinstance(exc, KilnError):
-        return exc.status, exc.to_body()
-    logger.error("[kiln]  Internal error in request %s", request_id, exc_info=exc)
-    err = InternalServerError(request_id)
-    return err.status, err.to_body()
+    if not isinstance(exc, KilnError):
+        logger.error("[kiln]  Internal error in request %s", request_id, exc_info=exc)
+        exc = InternalServerError(request_id)
+    return http_status(exc), error_body(exc)

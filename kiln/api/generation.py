@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.api.reasoning import ReasoningParser, ReasoningStart
-from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.request import RequestOutput, TokenLogprob
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.engine.request import RequestOutput, TokenLogprob
+from kiln.runtime.text.detokenizer import IncrementalDetokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass

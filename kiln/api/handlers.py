@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kiln.api.continuation import continuation_prompt
+from kiln.api.errors import InternalServerError, error_body
 from kiln.api.generation import Delta, OutputAssembler
 from kiln.api.protocol import load_json_body, parse_chat_request, parse_completion_request
 from kiln.api.reasoning import ReasoningStart
@@ -23,8 +24,8 @@ from kiln.api.tools import (
     tool_format_for,
     tool_messages,
 )
-from kiln.runtime.chat_template import TemplateError
-from kiln.runtime.errors import InternalServerError, InvalidRequestError
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.text.chat_template import TemplateError
 
 
 @dataclass
@@ -257,7 +258,7 @@ async def _send_sse(request, events):
             await response.send(f"data: {json.dumps(event)}\n\n")
     except InternalServerError as exc:
         # Headers are gone already: report in-band, as OpenAI's streams do.
-        await response.send(f"data: {json.dumps(exc.to_body())}\n\n")
+        await response.send(f"data: {json.dumps(error_body(exc))}\n\n")
     await response.send("data: [DONE]\n\n")
     await response.eof()
     return None

@@ -7,7 +7,7 @@ line; known fields of the wrong JSON type are a 400 (a bool is not a number; an 
 fine for a number; an integral number such as 2.0 is fine for an integer).
 
 The sampling fields (and think, reasoning_effort, seed) go into `SamplingFields`, which checks
-their types; ranges are the sticky store's business (runtime/sampling_settings.py).
+their types; ranges are the sticky store's business (runtime/sampling/settings.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.errors import InvalidRequestError, invalid_type
-from kiln.runtime.sampling_settings import SamplingFields
+from kiln.runtime.sampling.settings import SamplingFields
 
 MAX_TOP_LOGPROBS = 20  # chat
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' integer logprobs

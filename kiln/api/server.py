@@ -16,8 +16,8 @@ from kiln.api.handlers import chat_completions, completions
 from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
-from kiln.runtime.catalogue import CATALOGUE
 from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.store.catalogue import CATALOGUE
 
 log = logging.getLogger("kiln")
 
@@ -91,26 +91,20 @@ def _model_card(name: str, defaults, ctx_len: int, loaded: bool) -> dict:
             "context_length": ctx_len, "loaded": loaded, "defaults": _defaults(defaults)}
 
 
-def serve(args) -> int:
-    from kiln.runtime.gguf_loader import ModelLoadError
-    from kiln.runtime.pull import PullError
+def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
+    from kiln.runtime.store.gguf_file import ModelLoadError
+    from kiln.runtime.store.pull import PullError
 
-    options = ServeOptions(ctx_len=args.ctx_len, prefill_chunk_len=args.prefill_chunk_len,
-                           kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                           per_request_sampling=args.per_request_sampling,
-                           dtype=args.dtype)
-    if args.deterministic:
-        log.info("[kiln]  --deterministic: kiln's CPU kernels are batch-invariant by default")
     state = ServerState(options)
     try:
-        state.load(args.model)
+        state.load(model)
     except (PullError, ModelLoadError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 1
     app = create_app(state)
-    url = f"http://{args.host}:{args.port}/v1"
+    url = f"http://{host}:{port}/v1"
     log.info("[kiln]  Listening on %s", url)
-    app.run(host=args.host, port=args.port, single_process=True, access_log=False,
+    app.run(host=host, port=port, single_process=True, access_log=False,
             motd=False)
     state.engine.shutdown()
     return 0

@@ -11,26 +11,21 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from kiln.runtime.catalogue import lookup
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.engine import AsyncEngine, LLMEngine
+from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.llm_engine import AsyncEngine
 from kiln.runtime.errors import ModelNotFoundError
-from kiln.runtime.model_loader import LoadedModel, load_model
-from kiln.runtime.sampling_settings import SamplingSettings
+from kiln.runtime.models.loader import LoadedModel
+from kiln.runtime.sampling.settings import SamplingSettings
+from kiln.runtime.store.catalogue import lookup
 
 log = logging.getLogger("kiln")
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    ctx_len: int | None = None
-    prefill_chunk_len: int | None = None
-    kv_cache_tokens: int | None = None
-    max_num_seqs: int = 64
-    per_request_sampling: bool = False
-    dtype: str = "float32"  # or bfloat16: oneDNN's bf16 products (runtime/backends/cpu/bf16.py)
+    engine: EngineOptions = EngineOptions()
+    per_request_sampling: bool = False  # the sticky settings are the API's business
 
 
 class ServerState:
@@ -51,20 +46,14 @@ class ServerState:
         The old engine is stopped only once the new model has loaded: a load that fails
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
-        cuda = torch.cuda.is_available()
-        o = self.options
-        loaded = load_model(name, device="cuda" if cuda else "cpu", use_triton=cuda,
-                            dtype=getattr(torch, o.dtype))
-        config = EngineConfig.build(
-            loaded.ctx_len, loaded.max_prefill_len, ctx_len=o.ctx_len,
-            prefill_chunk_len=o.prefill_chunk_len, kv_cache_tokens=o.kv_cache_tokens,
-            max_num_seqs=o.max_num_seqs, per_request_sampling=o.per_request_sampling,
-            device="cuda" if cuda else "cpu", use_triton=cuda)
+        loaded, engine = build_engine(name, self.options.engine)
         if self.engine is not None:
             self.engine.shutdown()
-        self.loaded, self.config = loaded, config
-        self.engine = AsyncEngine(LLMEngine(loaded, config))
-        self.settings = SamplingSettings(loaded.defaults, per_request=o.per_request_sampling)
+        self.loaded, self.config = loaded, engine.config
+        self.engine = AsyncEngine(engine)
+        self.settings = SamplingSettings(loaded.defaults,
+                                         per_request=self.options.per_request_sampling)
+        config = engine.config
         log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
                  "(%d blocks of %d)", name, config.ctx_len, config.prefill_chunk_len,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)

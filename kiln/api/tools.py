@@ -2,8 +2,8 @@
 `parallel_tool_calls` and `response_format` mean for the loaded model, and the tool calls
 read back out of its text.
 
-How a model family writes calls is one `ToolCallFormat` row of `TOOL_FORMATS`. SmolLM2's GGUF
-chat template ignores `tools` (so does Gemma 3's fallback), so kiln describes the tools itself in
+How a model family writes calls is one `ToolCallFormat` (SMOLLM2, HERMES). SmolLM2's GGUF chat
+template ignores `tools` (so does Gemma 3's fallback), so kiln describes the tools itself in
 a system message (`tool_messages`), in the format the family was trained on, and renders earlier
 calls and tool results into plain message text. A template that reads `tools` renders them itself.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kiln.api.protocol import ChatCompletionRequest, ToolCall, ToolChoice, ToolSpec
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.grammar import MAX_JSON_WHITESPACE, GrammarSpec
+from kiln.runtime.sampling.grammar import MAX_JSON_WHITESPACE, GrammarSpec
 
 # --- model families ------------------------------------------------------------------------
 
@@ -92,9 +92,6 @@ HERMES = ToolCallFormat(
         "within <tool_call></tool_call> XML tags:\n"
         '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
         "</tool_call>"))
-
-TOOL_FORMATS = {f.name: f for f in (SMOLLM2, HERMES)}
-
 
 def tool_format_for(model_name: str) -> ToolCallFormat:
     """The family format for a model tag or GGUF path (Hermes unless known otherwise)."""

@@ -1,18 +1,12 @@
-"""Errors as typed values. Any layer may raise them; api/errors.py maps them to HTTP in one place.
-
-Each error knows its HTTP status and OpenAI's error fields (`type`, `param`, `code`), so the
-body a client sees is always `{"error": {"message", "type", "param", "code"}}`. runtime/
-raises these without importing api/: data flows api -> runtime, never back.
-"""
+"""Errors a client is meant to see, as typed values: what went wrong (`message`), which
+field (`param`) and a machine-readable `code`. The runtime knows nothing of HTTP: api/errors.py
+maps each class to its status and OpenAI's error `type`, in one place."""
 
 from __future__ import annotations
 
 
 class KilnError(Exception):
     """Base of every error a client is meant to see."""
-
-    status: int = 500
-    type: str = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None,
                  code: str | int | None = None) -> None:
@@ -21,30 +15,21 @@ class KilnError(Exception):
         self.param = param
         self.code = code
 
-    def to_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, param={self.param!r})"
 
 
 class InvalidRequestError(KilnError):
-    """HTTP 400: the request is malformed; `param` names the offending field."""
+    """The request is malformed; `param` names the offending field."""
 
-    status = 400
-    type = "invalid_request_error"
 
 
 class ContextLengthError(KilnError):
-    """HTTP 400: the prompt (plus max_tokens, when sent) does not fit in the context.
+    """The prompt (plus max_tokens, when sent) does not fit in the context.
 
-    The body is the reference runtime's, word for word: "Max length reached!", type
-    "model_error", code 400.
+    The message is the reference runtime's, word for word, and so is its code (400).
     """
 
-    status = 400
-    type = "model_error"
     MESSAGE = "Max length reached!"
 
     def __init__(self, *, num_prompt_tokens: int | None = None,
@@ -57,29 +42,13 @@ class ContextLengthError(KilnError):
 
 
 class ModelNotFoundError(KilnError):
-    """HTTP 404: no such model tag or GGUF path."""
+    """No such model tag or GGUF path."""
 
-    status = 404
-    type = "invalid_request_error"
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.", param="model",
                          code="model_not_found")
         self.model = model
-
-
-class InternalServerError(KilnError):
-    """HTTP 500: a bug or a failure on our side; the message carries the request id to quote."""
-
-    status = 500
-    type = "server_error"
-
-    def __init__(self, request_id: str, detail: str = "") -> None:
-        message = f"The server had an error while processing request {request_id}."
-        if detail:
-            message += f" {detail}"
-        super().__init__(message, param=None, code=None)
-        self.request_id = request_id
 
 
 def json_type_name(value: object) -> str:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref
 from kiln.kernels.kv_cache import store_kvcache, store_kvcache_ref
-from kiln.runtime.attention_metadata import AttentionMetadata
 from kiln.runtime.backends import RopeTable
-from kiln.runtime.gguf_loader import WeightSource
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.store.gguf_file import WeightSource
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.runtime.attention_metadata import AttentionMetadata
 from kiln.runtime.backends import RopeTable
-from kiln.runtime.config import ModelConfig
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.models.config import ModelConfig
 
 
 @dataclass

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.runtime.config import ModelConfig
-from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
 from kiln.runtime.models import tensors
+from kiln.runtime.models.config import ModelConfig
 from kiln.runtime.models.decoder import DecoderLayer, DecoderModel
+from kiln.runtime.store.gguf_file import GGUFFile, ModelLoadError
 
 # Not in Gemma 3's GGUF metadata: llama.cpp and transformers hard-code them for the arch.
 SLIDING_WINDOW_PATTERN = 6

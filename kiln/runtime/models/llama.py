@@ -16,10 +16,10 @@ checkpoint's own order.
 
 from __future__ import annotations
 
-from kiln.runtime.config import ModelConfig
-from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
 from kiln.runtime.models import tensors
+from kiln.runtime.models.config import ModelConfig
 from kiln.runtime.models.decoder import DecoderLayer, DecoderModel
+from kiln.runtime.store.gguf_file import GGUFFile, ModelLoadError
 
 ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 # llama.cpp's defaults where a file leaves the key out

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.runtime.config import ModelConfig
-from kiln.runtime.gguf_loader import GGUFFile, ModelLoadError
+from kiln.runtime.models.config import ModelConfig
 from kiln.runtime.models.decoder import DecoderModel
+from kiln.runtime.store.gguf_file import GGUFFile, ModelLoadError
 
 
 def read_config(gf: GGUFFile, **overrides) -> ModelConfig:

@@ -18,11 +18,11 @@ import os
 import numpy as np
 import torch
 
-from kiln.runtime.attention_metadata import AttentionMetadata
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.packing import pack
-from kiln.runtime.gguf_loader import WeightSource
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.store.gguf_file import WeightSource
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 

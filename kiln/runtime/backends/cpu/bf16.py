@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kiln.runtime.gguf_loader import WeightSource
+from kiln.runtime.store.gguf_file import WeightSource
 
 
 def bf16_supported() -> bool:

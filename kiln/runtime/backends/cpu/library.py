@@ -80,7 +80,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         return _loaded[key]
     if key in _errors:
         raise KernelBuildError(_errors[key])
-    from kiln.runtime.pull import kiln_home
+    from kiln.runtime.store.pull import kiln_home
 
     flags = FLAGS + key
     try:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample, sample_ref
-from kiln.runtime.grammar import build_grammar_bitmask
-from kiln.runtime.penalty_window import window_tokens
-from kiln.runtime.request import Request, TokenLogprob
+from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample
+from kiln.kernels.sampling_ref import sample_ref
+from kiln.runtime.engine.request import Request, TokenLogprob
+from kiln.runtime.sampling.grammar import build_grammar_bitmask
+from kiln.runtime.sampling.penalty_window import window_tokens
 
 
 class Sampler:

@@ -18,16 +18,16 @@ from collections.abc import AsyncIterator
 
 import xgrammar as xgr
 
-from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.model_runner import ModelRunner
+from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
+from kiln.runtime.engine.scheduler import Scheduler
 from kiln.runtime.errors import ContextLengthError
-from kiln.runtime.grammar import GrammarCompilerCache, GrammarState
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.model_loader import LoadedModel
-from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.request import Request, RequestOutput, RequestStatus
-from kiln.runtime.sampler import Sampler, to_token_logprobs
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.kv.kv_cache_manager import KVCacheManager
+from kiln.runtime.models.loader import LoadedModel
+from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.sampling.sampler import Sampler, to_token_logprobs
 
 log = logging.getLogger("kiln")
 
@@ -259,9 +259,6 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         self.streams.pop(out.request_id, None)
-
-    def run_in_engine_thread(self, fn) -> None:
-        self.inbox.put(("call", fn))
 
     def shutdown(self) -> None:
         self._stop = True

@@ -12,9 +12,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.request import Request, RequestStatus
+from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 
 log = logging.getLogger("kiln")
 
@@ -22,7 +22,6 @@ log = logging.getLogger("kiln")
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
-    preempted: list[Request] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -73,7 +72,6 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
                 if victim is req:
                     break
             else:

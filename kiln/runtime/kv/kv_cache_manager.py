@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.runtime.block_pool import BlockPool, KVCacheBlock, hash_block
-from kiln.runtime.request import Request
+from kiln.runtime.engine.request import Request
+from kiln.runtime.kv.block_pool import BlockPool, KVCacheBlock, hash_block
 
 
 class KVCacheManager:

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.backends import make_backend
-from kiln.runtime.catalogue import CatalogueEntry, SamplingDefaults
-from kiln.runtime.chat_template import ChatTemplate
-from kiln.runtime.config import ModelConfig
-from kiln.runtime.gguf_loader import ModelLoadError, open_gguf
 from kiln.runtime.models import gemma3, llama
+from kiln.runtime.models.config import ModelConfig
 from kiln.runtime.models.decoder import DecoderModel
-from kiln.runtime.pull import resolve_model
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.store.catalogue import CatalogueEntry, SamplingDefaults
+from kiln.runtime.store.gguf_file import ModelLoadError, open_gguf
+from kiln.runtime.store.pull import resolve_model
+from kiln.runtime.text.chat_template import ChatTemplate
+from kiln.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln")
 
@@ -51,6 +51,12 @@ class LoadedModel:
     def ctx_len(self) -> int:
         return min(self.entry.ctx_len, self.config.max_position) if self.entry \
             else self.config.max_position
+
+    def chat_prompt_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """The prompt of a chat: the template renders BOS itself where the model wants one,
+        so the text is encoded without adding special tokens (as apply_chat_template does)."""
+        text = self.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def reasoning_tags(self) -> tuple[str, str] | None:

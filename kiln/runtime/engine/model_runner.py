@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.runtime.attention_metadata import AttentionMetadata
-from kiln.runtime.config import EngineConfig, ModelConfig
-from kiln.runtime.kv_cache_manager import KVCacheManager
-from kiln.runtime.request import Request
+from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.request import Request
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.kv.kv_cache_manager import KVCacheManager
+from kiln.runtime.models.config import ModelConfig
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Model and engine configuration: one dataclass per concern, validated where built."""
+"""A model's architecture hyper-parameters, read from its GGUF by the family's `read_config`."""
 
 from __future__ import annotations
 
@@ -51,42 +51,3 @@ class ModelConfig:
 
     def layer_sliding_window(self, layer: int) -> int:
         return self.sliding_window if self.layer_is_local(layer) else 0
-
-
-def round_up_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How the engine runs one model: context, chunking, KV budget, batching."""
-
-    ctx_len: int
-    prefill_chunk_len: int
-    kv_cache_tokens: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 0  # 0 = prefill_chunk_len + max_num_seqs
-    per_request_sampling: bool = False
-    device: str = "cpu"
-    use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
-
-    @staticmethod
-    def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,
-              prefill_chunk_len: int | None = None, kv_cache_tokens: int | None = None,
-              **kw) -> EngineConfig:
-        """Apply the contract's rules: --ctx-len is raised to 512 and capped at the model's;
-        --prefill-chunk-len is raised to 512 and rounded up to a power of two."""
-        ctx = min(max(ctx_len or model_ctx, 512), model_ctx)
-        chunk = round_up_pow2(max(prefill_chunk_len, 512)) if prefill_chunk_len else \
-            model_max_prefill
-        kv = kv_cache_tokens or max(4 * ctx, 16384)
-        return EngineConfig(ctx_len=ctx, prefill_chunk_len=chunk, kv_cache_tokens=kv, **kw)
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.kv_cache_tokens // self.block_size)
-
-    @property
-    def token_budget(self) -> int:
-        return self.max_num_batched_tokens or self.prefill_chunk_len + self.max_num_seqs

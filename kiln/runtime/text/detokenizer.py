@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

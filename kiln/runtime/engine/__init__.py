@@ -1,0 +1,2 @@
+"""The engine core: requests, the continuous-batching scheduler, the model runner and the
+step loop."""

@@ -1,0 +1,2 @@
+"""Sampling: a request's parameters, the model's sticky settings, penalties, grammars and the
+sampler."""

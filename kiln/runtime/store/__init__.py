@@ -1,0 +1,1 @@
+"""Model files: the catalogue, pulling from PyPI, reading GGUF files."""

@@ -1,0 +1,1 @@
+"""Text in and out: the GGUF's tokenizer, chat templates, incremental detokenization."""
