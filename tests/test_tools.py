@@ -200,6 +200,29 @@ def test_parse_calls_out_of_a_reply():
         ("get_time", {"tz": "CET"}), ("get_weather", {"city": "Oslo"})]
 
 
+FENCED = 'Here:\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```'
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_hermes_reads_a_fenced_json_call_as_llama_cpp_does(chunk):
+    """Small Qwen models answer `auto` with a fenced block; it is a call only when it holds a
+    call of a known tool, and any other fenced JSON stays content, byte for byte."""
+    def run(text, names):
+        p = ToolCallParser(HERMES, names)
+        content = "".join(p.feed(text[i:i + chunk]).content for i in range(0, len(text), chunk))
+        return content + p.finish().content, p.tool_calls
+
+    content, calls = run(FENCED, {"get_weather"})
+    assert content == "Here:\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+    for other, names in ((FENCED, {"get_time"}),
+                         ('```json\n{"a": [1, 2]}\n```\nok', {"get_weather"}),
+                         ("```json\n{\"name\": \"get_weather\"", {"get_weather"})):
+        assert run(other, names) == (other, [])
+    assert parse_tool_calls(FENCED, SMOLLM2, {"get_weather"}) == (FENCED, [])  # not SmolLM2's
+
+
 def test_rendered_calls_parse_back(tok):
     calls = [("get_weather", '{"city": "Zürich"}'), ("get_time", '{"tz": "UTC"}')]
     for fmt in (SMOLLM2, HERMES):

@@ -51,6 +51,10 @@ class ToolCallFormat:
     tool_result_role: str = "user"
     tool_result_open: str = "<tool_response>\n"
     tool_result_close: str = "\n</tool_response>"
+    # Other (start, end) pairs a model of the family writes calls in when not forced: small
+    # Qwen models often answer a call as a fenced JSON block, which llama.cpp's Hermes parser
+    # also reads. A block holding no valid call of a known tool stays content.
+    loose_blocks: tuple[tuple[str, str], ...] = ()
 
     def call_head(self, name: str) -> str:
         return '{"name": "' + name + '", "arguments": '
@@ -91,7 +95,8 @@ HERMES = ToolCallFormat(
         "For each function call, return a json object with function name and arguments "
         "within <tool_call></tool_call> XML tags:\n"
         '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-        "</tool_call>"))
+        "</tool_call>"),
+    loose_blocks=(("```json\n", "```"),))
 
 def tool_format_for(model_name: str) -> ToolCallFormat:
     """The family format for a model tag or GGUF path (Hermes unless known otherwise)."""
@@ -278,6 +283,8 @@ class ToolCallParser:
     def __init__(self, fmt: ToolCallFormat, tool_names: set[str] | None = None,
                  max_calls: int | None = None) -> None:
         self.fmt, self.tool_names, self.max_calls = fmt, tool_names, max_calls
+        self._blocks = ((fmt.start, fmt.end),) + fmt.loose_blocks
+        self._end = fmt.end  # the end marker of the block being read
         self.calls: list[_Call] = []
         self.content = ""  # all content so far
         self._buf = ""  # text not yet consumed
@@ -322,15 +329,17 @@ class ToolCallParser:
         """Consume from the buffer; False when it must wait for more text."""
         f, buf = self.fmt, self._buf
         if self._state == _TEXT:
-            i = buf.find(f.start)
-            if i < 0:
-                keep = _partial_suffix(buf, f.start)
+            found = [(i, start, end) for start, end in self._blocks
+                     if (i := buf.find(start)) >= 0]
+            if not found:
+                keep = max(_partial_suffix(buf, start) for start, _ in self._blocks)
                 self._text(buf[:len(buf) - keep], out)
                 self._buf = buf[len(buf) - keep:]
                 return False
+            i, start, self._end = min(found)
             self._text(buf[:i], out)
-            self._open_block(f.start)
-            self._buf = buf[i + len(f.start):]
+            self._open_block(start)
+            self._buf = buf[i + len(start):]
             return True
         if self._state == _BLOCK:
             c = buf[0]
@@ -339,24 +348,24 @@ class ToolCallParser:
             elif c == "{":
                 self._state, self._obj, self._decided, self._call = _OBJECT, "", False, None
                 self._depth, self._in_str, self._esc = 0, False, False
-            elif buf.startswith(f.end):
-                self._consume(len(f.end))
+            elif buf.startswith(self._end):
+                self._consume(len(self._end))
                 self._close_block(out)
             elif buf.startswith(f.start):  # a new block without closing this one
                 self._consume(len(f.start))
-            elif f.end.startswith(buf) or f.start.startswith(buf):
+            elif self._end.startswith(buf) or f.start.startswith(buf):
                 return False
             else:
                 self._state = _JUNK
             return True
         if self._state == _OBJECT:
             return self._scan_object(out)
-        i = buf.find(f.end)  # _JUNK: skip to the end of the block
+        i = buf.find(self._end)  # _JUNK: skip to the end of the block
         if i < 0:
-            keep = _partial_suffix(buf, f.end)
+            keep = _partial_suffix(buf, self._end)
             self._consume(len(buf) - keep)
             return False
-        self._consume(i + len(f.end))
+        self._consume(i + len(self._end))
         self._close_block(out)
         return True
 
