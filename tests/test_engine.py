@@ -3,6 +3,7 @@
 import pytest
 from conftest import run_to_completion
 
+from kiln.api.errors import error_response
 from kiln.runtime.errors import ContextLengthError
 from kiln.runtime.sampling.params import SamplingParams
 
@@ -91,9 +92,8 @@ def test_prompt_as_long_as_the_context_is_rejected_before_prefill(make_engine):
     engine = make_engine(ctx_len=512, kv_cache_tokens=1024)
     with pytest.raises(ContextLengthError) as err:
         engine.make_request("a", [5] * 512, GREEDY)
-    assert err.value.to_body() == {"error": {"message": "Max length reached!",
-                                             "type": "model_error", "param": None,
-                                             "code": 400}}
+    assert error_response(err.value, "a") == (400, {"error": {
+        "message": "Max length reached!", "type": "model_error", "param": None, "code": 400}})
     with pytest.raises(ContextLengthError):
         engine.make_request("b", [5] * 500, GREEDY, max_tokens=13)
     engine.make_request("c", [5] * 500, GREEDY, max_tokens=12)  # fits exactly

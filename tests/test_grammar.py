@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kiln.api.errors import http_status
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.grammar import (
     GrammarCompilerCache,
@@ -123,7 +124,7 @@ def test_json_object_mode_takes_any_object_but_not_other_values(grammars):
 def test_invalid_schema_is_a_400_on_response_format(grammars, schema):
     with pytest.raises(InvalidRequestError) as err:
         grammars.get(GrammarSpec.json_schema(schema))
-    assert err.value.param == "response_format" and err.value.status == 400
+    assert err.value.param == "response_format" and http_status(err.value) == 400
     assert "Invalid JSON schema" in err.value.message and ".cc:" not in err.value.message
 
 

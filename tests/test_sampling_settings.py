@@ -5,6 +5,8 @@ from dataclasses import fields
 
 import pytest
 
+from kiln.api.errors import error_body, http_status
+from kiln.api.protocol import parse_chat_request
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.settings import STICKY_FIELDS, SamplingFields, SamplingSettings
@@ -196,10 +198,13 @@ def test_repetition_penalty_of_one_or_more_gives_no_warning(settings, caplog):
     ("think", "yes"), ("think", 1), ("reasoning_effort", 3),
 ])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(name, value):
+    """Read from the request's JSON (api/protocol.py), where the types are checked."""
     with pytest.raises(InvalidRequestError) as e:
-        SamplingFields(**{name: value})
-    assert e.value.param == name and e.value.status == 400
-    assert e.value.to_body()["error"]["type"] == "invalid_request_error"
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], name: value})
+    assert e.value.param == name and http_status(e.value) == 400
+    assert error_body(e.value)["error"] == {
+        "message": e.value.message, "type": "invalid_request_error", "param": name,
+        "code": "invalid_type"}
 
 
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])

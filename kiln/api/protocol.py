@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.runtime.errors import InvalidRequestError, invalid_type
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.settings import SamplingFields
 
 MAX_TOP_LOGPROBS = 20  # chat
@@ -118,6 +118,33 @@ class CompletionRequest:
 
 
 # --- JSON field readers: None when absent or null, a 400 naming the field when mistyped ---
+
+def json_type_name(value: object) -> str:
+    """How OpenAI names a JSON value's type in its error messages ("a string", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
+    """A 400 for a known field of the wrong JSON type, worded like OpenAI's."""
+    return InvalidRequestError(
+        f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} "
+        "instead.", param=param, code="invalid_type")
+
+
 
 def _number(obj: dict, key: str, param: str | None = None) -> float | None:
     v = obj.get(key)

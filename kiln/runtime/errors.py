@@ -49,29 +49,3 @@ class ModelNotFoundError(KilnError):
         super().__init__(f"The model `{model}` does not exist.", param="model",
                          code="model_not_found")
         self.model = model
-
-
-def json_type_name(value: object) -> str:
-    """How OpenAI names a JSON value's type in its error messages ("a string", ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
-    """A 400 for a known field of the wrong JSON type, worded like OpenAI's."""
-    return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} "
-        "instead.", param=param, code="invalid_type")

@@ -6,8 +6,8 @@ requests (from any client) and returns a frozen `SamplingParams` snapshot, so a 
 sees a setting change mid-reply. `reset()` (model reload) restores the model's defaults.
 
 Rules (contract.md, "Sticky settings" and "Validation"):
-- a wrong JSON type, a seed outside signed 64-bit or a repeat_last_n below -1 is a 400,
-  raised when `SamplingFields` is built;
+- a wrong JSON type is a 400 raised by api/protocol.py; a seed outside signed 64-bit or a
+  repeat_last_n below -1 is a 400 raised when `SamplingFields` is built;
 - an out-of-range value is ignored: HTTP 200, one warning on the `kiln` logger naming the
   field and the value, and the stored value is used and kept;
 - repetition_penalty in (0, 1) is accepted, with a warning that it can make the model loop;
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kiln.runtime.errors import InvalidRequestError, invalid_type
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.params import INT64_MAX, INT64_MIN, REASONING_EFFORTS, SamplingParams
 from kiln.runtime.store.catalogue import SamplingDefaults
 
@@ -65,15 +65,8 @@ class SamplingFields:
     reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
-        for name in FLOAT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float))):
-                raise invalid_type(name, "a number", value)
-        for name in INT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise invalid_type(name, "an integer", value)
+        # Types are api/protocol.py's business (it reads the JSON); these are the contract's
+        # rules for well-typed values.
         if self.repeat_last_n is not None and self.repeat_last_n < -1:
             raise InvalidRequestError(
                 f"Invalid 'repeat_last_n': {self.repeat_last_n}. Expected -1 (the whole "
@@ -83,10 +76,6 @@ class SamplingFields:
             raise InvalidRequestError(
                 f"Invalid 'seed': {self.seed} is outside the signed 64-bit range.",
                 param="seed", code="integer_out_of_range")
-        if self.think is not None and not isinstance(self.think, bool):
-            raise invalid_type("think", "a boolean", self.think)
-        if self.reasoning_effort is not None and not isinstance(self.reasoning_effort, str):
-            raise invalid_type("reasoning_effort", "a string", self.reasoning_effort)
 
 
 def params_from_defaults(defaults: SamplingDefaults) -> SamplingParams:
