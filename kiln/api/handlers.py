@@ -68,7 +68,7 @@ def _think_kwargs(state: ServerState, sent) -> dict:
 def _submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int | None,
             assembler: OutputAssembler, **engine_kw) -> Generation:
     engine = state.engine
-    engine.engine.check_context(len(ids), req.max_tokens)  # before settings change
+    engine.check_context(len(ids), req.max_tokens)  # before settings change
     sampling = state.settings.admit(req.sampling)
     request_id = new_id(prefix)
     stream = engine.add_request(request_id, ids, sampling, max_tokens=req.max_tokens,
@@ -103,7 +103,7 @@ async def chat_completions(request):
     grammar = None
     if plan.grammar is not None:  # compiled off the event loop; a bad schema is a 400 here
         grammar = await asyncio.get_running_loop().run_in_executor(
-            None, engine.engine.grammars.get, plan.grammar)
+            None, engine.compile_grammar, plan.grammar)
         if state.engine is not engine:
             raise InternalServerError(new_id("req"), "The model was switched meanwhile.")
     tags = loaded.reasoning_tags

@@ -209,6 +209,16 @@ class AsyncEngine:
     def next_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    # What the API asks of the engine besides requests: both are read-only and thread-safe.
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises ContextLengthError if the prompt (with max_tokens) cannot fit."""
+        self.engine.check_context(num_prompt_tokens, max_tokens)
+
+    def compile_grammar(self, spec):
+        """The compiled grammar of a GrammarSpec (cached); blocking, so call it off the loop."""
+        return self.engine.grammars.get(spec)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, **kw) -> RequestStream:
         """Validates now (raising before any stream starts) and returns the output stream."""
