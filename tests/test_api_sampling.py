@@ -20,8 +20,11 @@ DEFAULTS = {
     "gemma3:270m": {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
                     "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "repetition_penalty": 1.0, "repeat_last_n": 64},
+    "qwen2.5-coder:0.5b": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+                           "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                           "repetition_penalty": 1.1, "repeat_last_n": 64},
 }
-CONTEXT = {"smollm2:135m": 8192, "gemma3:270m": 32768}
+CONTEXT = {"smollm2:135m": 8192, "gemma3:270m": 32768, "qwen2.5-coder:0.5b": 32768}
 
 
 @pytest.fixture(scope="module")
