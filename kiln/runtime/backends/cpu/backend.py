@@ -6,8 +6,9 @@ batch, or the rest of its prefill chunk) nor on the thread count nor on the inst
 (csrc/simd.h). So a seeded or greedy request gives the same tokens and logprobs alone or
 batched, cold or from the prefix cache, on any x86 CPU with AVX2 or AVX-512.
 
-Threads: each kernel shares its rows or columns out over an OpenMP team of one thread per
-core; torch (the sampler's few ops) keeps one thread, so only one team ever spins.
+Threads: each kernel shares its rows or columns out over kiln's own pool of one thread per
+core (csrc/pool.c); torch (the sampler's few ops) keeps one thread, so only one pool ever
+spins.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class CpuBackend:
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products = bf16_products
-        # The kernels bring their own team; torch's ops stay on the caller's thread, except
-        # oneDNN's bf16 products, which need torch's (the same OpenMP pool as the kernels').
+        # The kernels bring their own pool; torch's ops stay on the caller's thread, except
+        # oneDNN's bf16 products, which run on torch's own threads.
         torch.set_num_threads(self.threads if bf16_products else 1)
 
     # -- weights ---------------------------------------------------------------------------
