@@ -53,7 +53,7 @@ class ServerState:
         self.engine = AsyncEngine(engine)
         self.settings = SamplingSettings(loaded.defaults,
                                          per_request=self.options.per_request_sampling)
-        config = engine.config
+        config = self.config
         log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
                  "(%d blocks of %d)", name, config.ctx_len, config.prefill_chunk_len,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)

@@ -25,7 +25,7 @@ class RopeTable:
     `inv_freq_scale` (Llama 3's per-frequency factors) divides the inverse frequencies."""
 
     def __init__(self, rot_dim: int, max_position: int, base: float, device,
-                 inv_freq_scale: torch.Tensor | None = None):
+                 inv_freq_scale: np.ndarray | None = None):
         inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
         if inv_freq_scale is not None:
             inv_freq = inv_freq / torch.tensor(np.array(inv_freq_scale, dtype=np.float64))
