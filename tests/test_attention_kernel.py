@@ -126,6 +126,41 @@ def test_kernel_matches_reference(batch, dtype, head_dim, group, window, device)
     assert_close(out, ref, atol, rtol)
 
 
+# Split-KV: partitions of 64 keys (the smallest the tiles allow) cut these sequences into up
+# to 5 partitions, so the reduction, the window's first partition and the one-partition rows
+# of a split launch are all exercised at shapes the interpreter runs quickly.
+SPLIT_CASES = [
+    pytest.param(MIXED, torch.float32, 64, 3, 0, id="mixed-fp32-d64-gqa3"),
+    pytest.param(MIXED, torch.bfloat16, 128, 8, 100, id="mixed-bf16-d128-gqa8-w100"),
+    pytest.param(DECODE * 2, torch.float16, 64, 1, 100, id="decode-fp16-d64-mha-w100"),
+    pytest.param(PREFILL, torch.float32, 256, 4, 0, id="prefill-fp32-d256-gqa4"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch, dtype, head_dim, group, window", SPLIT_CASES)
+def test_split_kv_matches_reference(batch, dtype, head_dim, group, window, device):
+    num_heads, num_kv_heads = GQA[group]
+    _, args = make_step(batch, num_heads, num_kv_heads, head_dim, dtype, device)
+    scale = head_dim ** -0.5
+    partition = 64 if head_dim <= 128 else 32
+    out = paged_attention(*args, scale=scale, sliding_window=window, partition_size=partition)
+    ref = paged_attention_ref(*args, scale=scale, sliding_window=window)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, ref, atol, rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_kv_row_of_one_partition_is_bit_identical_to_unsplit(device):
+    """A 40-token sequence fits one 64-key partition: batched beside a 300-token one (a split
+    launch, through the reduction) it must equal its unsplit launch bit for bit."""
+    seqs = make_sequences([40, 300], 9, 3, 64, torch.bfloat16, device)
+    alone = paged_attention(*seqs.step([(0, 0, 40)]), scale=0.125, partition_size=64)
+    split = paged_attention(*seqs.step([(1, 290, 10), (0, 0, 40)]), scale=0.125,
+                            partition_size=64)
+    assert torch.equal(alone, split[10:])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_reads_strided_query_and_writes_given_out(device):
     """query as a view into a packed QKV tensor; out= is filled in place and returned."""
@@ -202,12 +237,15 @@ def test_sliding_window_attends_last_w_positions_including_self(attention, devic
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_rows_bit_identical_however_chunked_or_batched(dtype, window, device):
+@pytest.mark.parametrize("partition", [512, 64])
+def test_kernel_rows_bit_identical_however_chunked_or_batched(partition, dtype, window, device):
     """Sequence 0 (75 tokens, prompt from scratch) computed as one chunk, as 2 and 3 chunks
     (the last one a decode step), and beside other sequences: its rows must be torch.equal.
-    GQA 3 gives 5-position query tiles, so the chunk cuts fall mid-tile."""
+    GQA 3 gives 5-position query tiles, so the chunk cuts fall mid-tile. With 64-key
+    partitions its rows span one or two partitions and the launches split or not."""
     seqs = make_sequences([75, 18, 110], 9, 3, 64, dtype, device)
-    call = lambda rows: paged_attention(*seqs.step(rows), scale=0.125, sliding_window=window)
+    call = lambda rows: paged_attention(*seqs.step(rows), scale=0.125, sliding_window=window,
+                                        partition_size=partition)
     whole = call([(0, 0, 75)])
     two = torch.cat([call([(0, 0, 37)]), call([(0, 37, 38)])])
     three = torch.cat([call([(0, 0, 7)]), call([(0, 7, 67)]), call([(0, 74, 1)])])

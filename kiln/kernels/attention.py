@@ -19,8 +19,16 @@ cache and position:
 - a tile outside a row's causal window is an exact no-op for that row (P = 0 with alpha = 1,
   or alpha = 0 on a still-empty row), so the extra tiles a program walks for its other rows
   cannot perturb it;
-- block shapes depend only on the model (head_dim, GQA group), never on the batch, and there
-  is no split-K whose partitioning or reduction order would follow the batch.
+- block shapes depend only on the model (head_dim, GQA group), never on the batch.
+
+Split-KV (flash-decoding): at batch 1 a launch has only num_kv_heads programs per query tile,
+a few of an H200's 132 SMs. So every row's keys are cut into partitions of PARTITION_SIZE
+positions aligned to absolute position 0; a program handles one (query tile, KV head,
+partition) and, when the launch spans more than one partition, writes its unnormalised
+partial (max, sum, acc) to a workspace that `_reduce_partitions_kernel` merges per row in
+increasing partition order. The cut depends only on a row's position, never on the batch, so
+the invariance above holds; a row whose keys fit one partition takes its first partial as is,
+so it gets the same bits whether or not the launch needed the reduction.
 """
 
 import math
@@ -57,6 +65,9 @@ def _find_seq_idx(
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, num_partitions, HEAD_DIM_PADDED] fp32 (SPLIT)
+    part_max_ptr,  # [num_tokens, num_heads, num_partitions] fp32, log2 domain (SPLIT)
+    part_sum_ptr,  # [num_tokens, num_heads, num_partitions] fp32 (SPLIT)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -78,18 +89,22 @@ def _paged_attention_kernel(
     value_slot_stride,
     value_head_stride,
     block_table_stride,
+    num_partitions,
     GROUP_SIZE: tl.constexpr,  # num_heads // num_kv_heads
     BLOCK_Q: tl.constexpr,  # query positions per program
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * GROUP_SIZE, padded to a power of 2
     BLOCK_N: tl.constexpr,  # key positions per inner tile
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
     HEAD_DIM_PADDED: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,  # key positions per partition, a multiple of BLOCK_N
+    SPLIT: tl.constexpr,  # the launch spans more than one partition: write partials
     USE_SLIDING_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (see _dot_dtype)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, so fp32 is not silently tf32
 ):
     q_block_idx = tl.program_id(0).to(tl.int64)
     kv_head_idx = tl.program_id(1).to(tl.int64)
+    partition_idx = tl.program_id(2).to(tl.int64)
 
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
@@ -127,6 +142,12 @@ def _paged_attention_kernel(
     if USE_SLIDING_WINDOW:
         kv_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
     kv_end = last_pos + 1
+    # This program's partition of the tile's keys; none of them: nothing to write.
+    part_start = partition_idx * PARTITION_SIZE
+    if (part_start >= kv_end) | (part_start + PARTITION_SIZE <= kv_start):
+        return
+    kv_start = tl.maximum(kv_start, part_start)
+    kv_end = tl.minimum(kv_end, part_start + PARTITION_SIZE)
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute key positions
         kv_mask = offs_n < kv_end  # [BLOCK_N]
@@ -162,12 +183,87 @@ def _paged_attention_kernel(
         acc = tl.dot(P, V.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only: every real row sees itself
-    acc = acc / l_i[:, None]
-    o_offs = token_idx[:, None] * out_token_stride + head_idx[:, None] * out_head_stride
-    tl.store(out_ptr + o_offs + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        # Rows outside this partition's part of their window stay empty; the reduction
+        # reads only the partitions a row's window touches, so it never sees them.
+        part_row = (token_idx * (GROUP_SIZE * tl.num_programs(1)) + head_idx) * num_partitions \
+            + partition_idx  # [BLOCK_M]
+        tl.store(part_max_ptr + part_row, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc,
+                 mask=row_mask[:, None])
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only: every real row sees itself
+        acc = acc / l_i[:, None]
+        o_offs = token_idx[:, None] * out_token_stride + head_idx[:, None] * out_head_stride
+        tl.store(out_ptr + o_offs + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
 
+
+@triton.jit
+def _reduce_partitions_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, num_partitions, HEAD_DIM_PADDED] fp32
+    part_max_ptr,  # [num_tokens, num_heads, num_partitions] fp32, log2 domain
+    part_sum_ptr,  # [num_tokens, num_heads, num_partitions] fp32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    sliding_window,
+    num_seqs: tl.int32,
+    num_partitions,
+    head_dim,
+    out_token_stride,
+    out_head_stride,
+    PARTITION_SIZE: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    USE_SLIDING_WINDOW: tl.constexpr,
+):
+    """One (token, head) row: merge the partials of the partitions its window touches, in
+    increasing order, starting from the first one as is (one partition: acc / sum, exactly
+    what the unsplit kernel computes)."""
+    token_idx = tl.program_id(0).to(tl.int64)
+    head_idx = tl.program_id(1).to(tl.int64)
+    if token_idx >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding tokens past the last sequence
+    # The sequence owning this token: the last seq_idx with query_start_loc <= token_idx.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq_idx = lo - 1
+    q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int64) - q_start
+    pos = tl.load(seq_lens_ptr + seq_idx).to(tl.int64) - query_len + token_idx - q_start
+    first = 0
+    if USE_SLIDING_WINDOW:
+        first = tl.maximum(pos - sliding_window + 1, 0) // PARTITION_SIZE
+    last = pos // PARTITION_SIZE
+
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    row = (token_idx * tl.num_programs(1) + head_idx) * num_partitions
+    m = tl.load(part_max_ptr + row + first)
+    l_sum = tl.load(part_sum_ptr + row + first)
+    acc = tl.load(part_acc_ptr + (row + first) * HEAD_DIM_PADDED + offs_d)
+    for p in range(first + 1, last + 1):  # every one of these sees at least one key
+        m_p = tl.load(part_max_ptr + row + p)
+        m_new = tl.maximum(m, m_p)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_p - m_new)
+        l_sum = l_sum * alpha + tl.load(part_sum_ptr + row + p) * beta
+        acc = acc * alpha + tl.load(part_acc_ptr + (row + p) * HEAD_DIM_PADDED + offs_d) * beta
+        m = m_new
+    acc = acc / l_sum
+    tl.store(out_ptr + token_idx * out_token_stride + head_idx * out_head_stride + offs_d,
+             acc.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+# Key positions per split-KV partition: a decode row at 4k context spreads over 8 programs
+# per KV head. Fixed (not from the batch), so every row is cut the same way in every launch.
+PARTITION_SIZE = 512
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -202,6 +298,8 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    max_seq_len: int | None = None,  # host-known bound on seq_lens (saves a device sync)
+    partition_size: int = PARTITION_SIZE,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -229,23 +327,43 @@ def paged_attention(
 
     group_size = num_heads // num_kv_heads
     block_q, block_m, block_n = _tile_sizes(group_size, head_dim)
+    assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_partitions = triton.cdiv(max_seq_len, partition_size)
+    split = num_partitions > 1
+    head_dim_padded = triton.next_power_of_2(head_dim)
+    part_acc = part_max = part_sum = out  # placeholders, unused without a split
+    if split:
+        part_max = torch.empty((num_tokens, num_heads, num_partitions), dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_tokens, num_heads, num_partitions, head_dim_padded),
+                               dtype=torch.float32, device=query.device)
     # Each sequence owns at most query_len // BLOCK_Q + 2 position-aligned query tiles.
-    grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads)
+    grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads, num_partitions)
     dot_dtype = _dot_dtype(query.dtype, query.device)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), sliding_window, num_seqs, head_dim,
-        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        out, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,
+        seq_lens, query_start_loc, scale * math.log2(math.e), sliding_window, num_seqs,
+        head_dim, out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), num_partitions,
         GROUP_SIZE=group_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        USE_SLIDING_WINDOW=sliding_window > 0,
+        BLOCK_SIZE=block_size, HEAD_DIM_PADDED=head_dim_padded,
+        PARTITION_SIZE=partition_size, SPLIT=split, USE_SLIDING_WINDOW=sliding_window > 0,
         # "tf32" is tl.dot's default and only affects fp32 operands, which always get "ieee".
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=4,
     )
+    if split:
+        _reduce_partitions_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, seq_lens, query_start_loc, sliding_window,
+            num_seqs, num_partitions, head_dim, out.stride(0), out.stride(1),
+            PARTITION_SIZE=partition_size, HEAD_DIM_PADDED=head_dim_padded,
+            USE_SLIDING_WINDOW=sliding_window > 0, num_warps=1,
+        )
     return out
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 MAX_TOP_LOGPROBS = 20
+BLOCK_W = 128  # penalty-window tokens per step of the fix-up loop (not from the window length)
 KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
 
 
@@ -79,8 +80,8 @@ def _processed_stats(x, start, best, best_idx, z, n_finite):
 
 @triton.jit
 def _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
-                  lo, hi, lo_mass, k, target_mass, m,
-                  BY_COUNT: tl.constexpr, NEED_MASS: tl.constexpr,
+                  lo, hi, lo_mass, k, target_mass, m, need_mass,
+                  BY_COUNT: tl.constexpr,
                   HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
                   BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Largest key t in [lo, hi) with count(key >= t) >= k (BY_COUNT) or mass >= target_mass.
@@ -99,7 +100,7 @@ def _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
                                 HAS_PENALTIES, HAS_GRAMMAR)  # x: [BLOCK_V]
             above = _ordered_key(x)[:, None] >= pivots_i32[None, :]  # above: [BLOCK_V, P]
             counts += tl.sum(above.to(tl.int32), axis=0)
-            if NEED_MASS:
+            if need_mass:
                 masses += tl.sum(tl.where(above, tl.exp(x - m)[:, None], 0.0), axis=0)
         ok = (counts >= k) if BY_COUNT else (masses >= target_mass)
         new_lo = tl.max(tl.where(ok, pivots, lo))
@@ -135,9 +136,10 @@ def _sample_kernel(
     top_ids_ptr,         # [B, NUM_TOP] int64 out
     top_logprobs_ptr,    # [B, NUM_TOP] fp32 out
     vocab_size,
-    NUM_TOP: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    ALL_GREEDY: tl.constexpr, WRITE_PROCESSED: tl.constexpr,
+    num_top,             # NUM_TOP, 0..20
+    # Only what changes the row's memory traffic is a constexpr; top_k, top_p, min_p and
+    # greedy are per-row branches, so a model needs 4 compiled variants (warmed at load).
+    HAS_PENALTIES: tl.constexpr, HAS_GRAMMAR: tl.constexpr, WRITE_PROCESSED: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, NUM_PIVOTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -202,11 +204,11 @@ def _sample_kernel(
 
     # Top-N raw logprobs: N passes of argmax over the tokens ordered after the previous pick
     # (descending value, ascending index).
-    top_ids_row_ptr = top_ids_ptr + row * NUM_TOP
-    top_lp_row_ptr = top_logprobs_ptr + row * NUM_TOP
+    top_ids_row_ptr = top_ids_ptr + row * num_top
+    top_lp_row_ptr = top_logprobs_ptr + row * num_top
     prev_val = tl.full([], float("inf"), tl.float32)
     prev_idx = tl.full([], -1, tl.int32)
-    for n in range(NUM_TOP):
+    for n in range(num_top):
         n_val = tl.full([], NEG_INF, tl.float32)
         n_idx = tl.zeros([], dtype=tl.int32)
         for start in range(0, vocab_size, BLOCK_V):
@@ -224,11 +226,7 @@ def _sample_kernel(
     temperature = tl.load(temperature_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     token = best_idx
-    if ALL_GREEDY:
-        greedy = True
-    else:
-        greedy = (temperature == 0.0) | (top_k == 1)
-    if greedy:
+    if (temperature == 0.0) | (top_k == 1):
         if WRITE_PROCESSED:  # greedy rows: penalties + mask only
             for start in range(0, vocab_size, BLOCK_V):
                 offs = start + tl.arange(0, BLOCK_V)
@@ -239,19 +237,17 @@ def _sample_kernel(
         m = tl.where(best == NEG_INF, 0.0, best)
         hi0 = _ordered_key(best).to(tl.int64) + 1
         thr = tl.full([], KEY_NEG_INF, tl.int64)  # keep every finite token
-        if HAS_TOP_K:
-            lo = thr
-            hi = tl.where((top_k > 0) & (top_k < n_finite), hi0, lo + 1)
-            thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
-                                   lo, hi, z, top_k, 0.0, m, True, HAS_TOP_P,
-                                   HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
-        if HAS_TOP_P:
-            top_p = tl.load(top_p_ptr + row)
-            hi = tl.where(top_p < 1.0, hi0, thr + 1)
-            thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
-                                   thr, hi, z, 0, top_p * z, m, False, True,
-                                   HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
-        min_p = tl.load(min_p_ptr + row) if HAS_MIN_P else 0.0
+        # An inactive filter gets an empty bracket (hi = lo + 1): its search runs no pass.
+        top_p = tl.load(top_p_ptr + row)
+        hi = tl.where((top_k > 0) & (top_k < n_finite), hi0, thr + 1)
+        thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
+                               thr, hi, z, top_k, 0.0, m, top_p < 1.0, True,
+                               HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
+        hi = tl.where(top_p < 1.0, hi0, thr + 1)
+        thr, z = _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
+                               thr, hi, z, 0, top_p * z, m, True, False,
+                               HAS_PENALTIES, HAS_GRAMMAR, BLOCK_V, NUM_PIVOTS)
+        min_p = tl.load(min_p_ptr + row)
         seed, step = tl.load(seeds_ptr + row), tl.load(offsets_ptr + row)
         # Final pass: survivors race with score p_j / E_j (p unnormalised: argmax ignores Z).
         score_best = tl.full([], NEG_INF, tl.float32)
@@ -260,8 +256,7 @@ def _sample_kernel(
             x = _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs,
                                 vocab_size, HAS_PENALTIES, HAS_GRAMMAR)  # x: [BLOCK_V]
             keep = (x > NEG_INF) & (_ordered_key(x) >= thr.to(tl.int32))
-            if HAS_MIN_P:  # p / p_max = exp(x - m)
-                keep = keep & (tl.exp(x - m) >= min_p)
+            keep = keep & (tl.exp(x - m) >= min_p)  # p / p_max; always true at min_p 0
             e = -tl.log(_uniform(seed, step, offs))  # E: [BLOCK_V]
             score = tl.where(keep, tl.exp(tl.math.div_rn(x - m, temperature)) / e, -1.0)
             blk_best = tl.max(score)
@@ -293,7 +288,11 @@ class SamplingMetadata:
     offsets: torch.Tensor                    # [B] int64: the row's step within it (< 2**32)
     grammar_bitmask: torch.Tensor | None     # [B, ceil(V / 32)] int32; None = no grammar
     num_top_logprobs: int = 0                # 0..20
-    # Batch-wide feature flags (kernel constexprs): a batch without a feature pays nothing.
+    # Batch-wide flags: has_top_k, has_top_p, has_min_p, all_greedy (the torch reference
+    # skips what no row uses). The runtime knows them from the host-side settings and passes
+    # them; left None they are read off the tensors (validated too), at one device sync.
+    flags: tuple[bool, bool, bool, bool] | None = None
+    # The kernel's constexprs: a batch without penalties or grammar pays nothing for them.
     has_penalties: bool = field(init=False)
     has_grammar: bool = field(init=False)
     has_top_k: bool = field(init=False)
@@ -305,6 +304,11 @@ class SamplingMetadata:
         if not 0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
                              f"got {self.num_top_logprobs}")
+        self.has_penalties = self.window_token_ids is not None
+        self.has_grammar = self.grammar_bitmask is not None
+        if self.flags is not None:
+            self.has_top_k, self.has_top_p, self.has_min_p, self.all_greedy = self.flags
+            return
         sampled = (self.temperature > 0) & (self.top_k != 1)
         valid = ((self.temperature >= 0) & (self.top_k >= 0) & (self.top_p > 0)
                  & (self.top_p <= 1) & (self.min_p >= 0) & (self.min_p <= 1)
@@ -317,8 +321,6 @@ class SamplingMetadata:
             raise ValueError("sampling settings out of range: need temperature >= 0, top_k >= 0, "
                              "0 < top_p <= 1, 0 <= min_p <= 1, repetition_penalty > 0")
         self.has_top_k, self.has_top_p, self.has_min_p, self.all_greedy = flags[1:]
-        self.has_penalties = self.window_token_ids is not None
-        self.has_grammar = self.grammar_bitmask is not None
 
 
 @dataclass
@@ -377,11 +379,9 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
         md.temperature, md.top_k, md.top_p, md.min_p,
         md.repetition_penalty, md.frequency_penalty, md.presence_penalty,
         window, window.stride(0), W, bitmask, bitmask.stride(0),
-        md.seeds, md.offsets, token_ids, logprobs, top_ids, top_lps, V,
-        NUM_TOP=N, HAS_PENALTIES=md.has_penalties, HAS_GRAMMAR=md.has_grammar,
-        HAS_TOP_K=md.has_top_k, HAS_TOP_P=md.has_top_p, HAS_MIN_P=md.has_min_p,
-        ALL_GREEDY=md.all_greedy, WRITE_PROCESSED=return_processed, BLOCK_V=block_v,
-        BLOCK_W=min(triton.next_power_of_2(max(W, 1)), 1024), NUM_PIVOTS=num_pivots,
-        num_warps=8,
+        md.seeds, md.offsets, token_ids, logprobs, top_ids, top_lps, V, N,
+        HAS_PENALTIES=md.has_penalties, HAS_GRAMMAR=md.has_grammar,
+        WRITE_PROCESSED=return_processed, BLOCK_V=block_v, BLOCK_W=BLOCK_W,
+        NUM_PIVOTS=num_pivots, num_warps=8,
     )
     return SamplerOutput(token_ids, logprobs, top_ids, top_lps, processed)

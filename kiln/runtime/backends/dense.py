@@ -99,7 +99,8 @@ class DenseBackend:
                 meta.query_start_loc, scale)
         if self.use_triton:
             store_kvcache(k, v, key_cache, value_cache, meta.slot_mapping)
-            out = paged_attention(*args, sliding_window=sliding_window)
+            out = paged_attention(*args, sliding_window=sliding_window,
+                                  max_seq_len=meta.max_seq_len)
         else:
             store_kvcache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention_ref(*args, sliding_window=sliding_window)

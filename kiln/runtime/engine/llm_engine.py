@@ -27,7 +27,7 @@ from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.params import SamplingParams
-from kiln.runtime.sampling.sampler import Sampler, to_token_logprobs
+from kiln.runtime.sampling.sampler import Sampler, fetch_samples, to_token_logprobs
 
 log = logging.getLogger("kiln")
 
@@ -130,11 +130,11 @@ class LLMEngine:
         if logits is None:
             return []
         reqs = inp.sampling_requests
-        out = self.sampler(logits, reqs)
+        out = fetch_samples(self.sampler(logits, reqs))  # the step's one device sync
         logprobs = to_token_logprobs(out, reqs)
         now = time.monotonic()
         outputs = []
-        for req, token, lp in zip(reqs, out.token_ids.tolist(), logprobs):
+        for req, token, lp in zip(reqs, out.token_ids, logprobs):
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now

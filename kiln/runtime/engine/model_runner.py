@@ -1,14 +1,17 @@
 """Turns a SchedulerOutput into one batched forward: packs tokens, positions, the slot
-mapping and block tables, runs the model, and returns the logits of rows that sample."""
+mapping and block tables (one host-to-device copy), runs the model, and returns the logits of
+rows that sample."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.request import Request
+from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
@@ -35,44 +38,43 @@ class ModelRunner:
         self.kv_caches = [backend.kv_cache(config.num_blocks, config.block_size,
                                            mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
+        self.staging = StagingBuffer(self.device)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         bs = self.config.block_size
-        input_ids, positions, slots = [], [], []
-        query_start_loc, seq_lens, tables = [0], [], []
+        num_seqs = len(scheduled)
+        num_tokens = sum(n for _, n in scheduled)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        seq_lens = np.empty(num_seqs, dtype=np.int32)
+        tables = [self.kv.get_block_ids(req) for req, _ in scheduled]
+        block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
         logits_indices, sampling_requests = [], []
-        for req, n in scheduled:
-            start = req.num_computed_tokens
-            block_ids = self.kv.get_block_ids(req)
-            input_ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(block_ids)
+        end = 0
+        for i, ((req, n), block_ids) in enumerate(zip(scheduled, tables, strict=True)):
+            start, end = req.num_computed_tokens, end + n
+            pos = np.arange(start, start + n)
+            input_ids[end - n:end] = req.all_token_ids[start:start + n]
+            positions[end - n:end] = pos
+            block_tables[i, :len(block_ids)] = block_ids
+            slot_mapping[end - n:end] = block_tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+            query_start_loc[i + 1] = end
+            seq_lens[i] = start + n
             if start + n == req.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices.append(end - 1)
                 sampling_requests.append(req)
-        width = max(len(t) for t in tables)
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
+        (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+         logits_indices_t) = self.staging.send(
+            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+            np.array(logits_indices, dtype=np.int64))
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            sampling_requests=sampling_requests,
-        )
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+            slot_mapping=slot_mapping, max_query_len=max(n for _, n in scheduled),
+            max_seq_len=max(req.num_computed_tokens + n for req, n in scheduled))
+        return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
+                          logits_indices=logits_indices_t, sampling_requests=sampling_requests)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:

@@ -159,22 +159,19 @@ class GrammarState:
         return self.matcher.is_completed()
 
 
-def build_grammar_bitmask(states: list[GrammarState | None], vocab_size: int,
-                          device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """The batch's `[B, ceil(V / 32)] int32` mask, row i from states[i]; all ones (-1) where
-    a row has no grammar. None when no row has one (the sampler then skips the mask).
-
-    Filled on the CPU (xgrammar writes host memory), then copied to `device` once.
+def build_grammar_bitmask(states: list[GrammarState | None],
+                          vocab_size: int) -> torch.Tensor | None:
+    """The batch's `[B, ceil(V / 32)] int32` mask on the host (xgrammar writes host memory),
+    row i from states[i]; all ones (-1) where a row has no grammar. None when no row has one
+    (the sampler then skips the mask). The sampler sends it with the step's other columns.
     """
     if all(s is None for s in states):
         return None
-    pin = torch.device(device).type == "cuda"
-    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32,
-                         pin_memory=pin)
+    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for row, state in enumerate(states):
         if state is not None:
             state.fill_bitmask(bitmask, row)
-    return bitmask.to(device, non_blocking=pin)
+    return bitmask
 
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

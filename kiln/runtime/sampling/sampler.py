@@ -8,12 +8,15 @@ one server generator that carries on; it hands each row a fresh stream every ste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample
 from kiln.kernels.sampling_ref import sample_ref
 from kiln.runtime.engine.request import Request, TokenLogprob
+from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.sampling.grammar import build_grammar_bitmask
 from kiln.runtime.sampling.penalty_window import window_tokens
 
@@ -22,8 +25,11 @@ class Sampler:
     def __init__(self, device: torch.device, use_triton: bool, seed: int | None = None):
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
+        self.staging = StagingBuffer(device)
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
+        """Every column built on the host and sent in one copy; the batch flags come from
+        the host-side settings, so nothing here waits for the device."""
         rows = [r.sampling for r in requests]
         seeds, offsets, windows = [], [], []
         for r in requests:
@@ -40,53 +46,71 @@ class Sampler:
             windows.append(window_tokens(sp.repeat_last_n, r.output_token_ids, r.window_prefix)
                            if sp.has_penalties else [])
         width = max(len(w) for w in windows)
-        window_ids = None
-        if width:
-            window_ids = torch.full((len(requests), width), -1, dtype=torch.int64)
-            for i, w in enumerate(windows):
-                if w:
-                    window_ids[i, :len(w)] = torch.tensor(w, dtype=torch.int64)
-            window_ids = window_ids.to(self.device)
-        n_top = max((r.num_top_logprobs or 0) for r in requests)
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return SamplingMetadata(
-            temperature=col([p.temperature for p in rows], torch.float32),
+        columns = [
+            np.array([p.temperature for p in rows], dtype=np.float32),
             # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
-            top_k=col([min(p.top_k, vocab_size) for p in rows], torch.int32),
-            top_p=col([p.top_p for p in rows], torch.float32),
-            min_p=col([p.min_p for p in rows], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in rows], torch.float32),
-            frequency_penalty=col([p.frequency_penalty for p in rows], torch.float32),
-            presence_penalty=col([p.presence_penalty for p in rows], torch.float32),
-            window_token_ids=window_ids,
-            seeds=col(seeds, torch.int64),
-            offsets=col(offsets, torch.int64),
-            grammar_bitmask=build_grammar_bitmask([r.grammar for r in requests], vocab_size,
-                                                  self.device),
-            num_top_logprobs=n_top,
-        )
+            np.array([min(p.top_k, vocab_size) for p in rows], dtype=np.int32),
+            np.array([p.top_p for p in rows], dtype=np.float32),
+            np.array([p.min_p for p in rows], dtype=np.float32),
+            np.array([p.repetition_penalty for p in rows], dtype=np.float32),
+            np.array([p.frequency_penalty for p in rows], dtype=np.float32),
+            np.array([p.presence_penalty for p in rows], dtype=np.float32),
+            np.array(seeds, dtype=np.int64),
+            np.array(offsets, dtype=np.int64),
+        ]
+        if width:
+            window_ids = np.full((len(requests), width), -1, dtype=np.int64)
+            for i, w in enumerate(windows):
+                window_ids[i, :len(w)] = w
+            columns.append(window_ids)
+        bitmask = build_grammar_bitmask([r.grammar for r in requests], vocab_size)
+        if bitmask is not None:
+            columns.append(bitmask.numpy())
+        sent = self.staging.send(*columns)
+        sampled = [not p.is_greedy for p in rows]
+        flags = (any(s and p.top_k > 1 for s, p in zip(sampled, rows)),
+                 any(s and p.top_p < 1 for s, p in zip(sampled, rows)),
+                 any(s and p.min_p > 0 for s, p in zip(sampled, rows)),
+                 not any(sampled))
+        return SamplingMetadata(
+            *sent[:7], window_token_ids=sent[9] if width else None, seeds=sent[7],
+            offsets=sent[8], grammar_bitmask=sent[-1] if bitmask is not None else None,
+            num_top_logprobs=max((r.num_top_logprobs or 0) for r in requests), flags=flags)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
         return (sample if self.use_triton else sample_ref)(logits, meta)
 
 
-def to_token_logprobs(out: SamplerOutput, requests: list[Request]) -> list[TokenLogprob | None]:
+@dataclass
+class HostSamples:
+    """A step's sampled tokens on the host, with the logprobs the kernel computed."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def fetch_samples(out: SamplerOutput) -> HostSamples:
+    """The step's one device-to-host copy: token ids (exact in float64), their logprobs and
+    the top-N, packed side by side."""
+    n = out.top_token_ids.shape[1]
+    packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
+                        out.top_token_ids.double(), out.top_logprobs.double()], dim=1)
+    packed = packed.cpu().numpy()
+    return HostSamples(packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(),
+                       packed[:, 2:2 + n].astype(np.int64).tolist(), packed[:, 2 + n:].tolist())
+
+
+def to_token_logprobs(out: HostSamples, requests: list[Request]) -> list[TokenLogprob | None]:
     """Per row, the chosen token's raw logprob and its top-N, for rows that asked."""
-    if not any(r.num_top_logprobs is not None for r in requests):
-        return [None] * len(requests)
-    ids = out.token_ids.tolist()
-    lps = out.logprobs.tolist()
-    top_ids = out.top_token_ids.tolist()
-    top_lps = out.top_logprobs.tolist()
     result = []
     for i, r in enumerate(requests):
         if r.num_top_logprobs is None:
             result.append(None)
             continue
         n = r.num_top_logprobs
-        result.append(TokenLogprob(ids[i], lps[i], list(zip(top_ids[i][:n], top_lps[i][:n]))))
+        result.append(TokenLogprob(out.token_ids[i], out.logprobs[i],
+                                   list(zip(out.top_token_ids[i][:n], out.top_logprobs[i][:n]))))
     return result
