@@ -10,7 +10,8 @@ import pytest
 import torch
 from paged import PagedSequence
 
-from kiln.runtime.backends.cpu.bf16 import PackedBf16, bf16_refusal, bf16_supported
+from kiln.runtime.backends import dtype_refusal, resolve_dtype
+from kiln.runtime.backends.cpu.bf16 import PackedBf16, bf16_supported
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import LLMEngine
 from kiln.runtime.models.loader import load_model
@@ -92,5 +93,8 @@ def test_bf16_engine_decodes_greedily_within_rounding_of_fp32(bf16_model, smollm
 
 
 def test_refusals():
-    assert "CPU only" in bf16_refusal(cuda=True)
-    assert (bf16_refusal(cuda=False) is None) == bf16_supported()
+    assert dtype_refusal("float32", cuda=False) is None
+    assert dtype_refusal("auto", cuda=False) is None
+    assert "CUDA only" in dtype_refusal("float16", cuda=False)
+    assert (dtype_refusal("bfloat16", cuda=False) is None) == bf16_supported()
+    assert resolve_dtype("auto", cuda=False) == "float32"

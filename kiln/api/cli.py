@@ -9,20 +9,21 @@ import time
 
 from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 
-DTYPE_HELP = ("float32: kiln's CPU kernels on the GGUF's own blocks, logits match transformers, "
-              "a request's bits do not depend on its batch; bfloat16: the linear layers in bf16 "
-              "through oneDNN (a CPU with AMX or AVX-512-BF16), logits within bf16 rounding of "
-              "float32's, not bit-exact")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # runtime.backends.DTYPES, without torch
+
+DTYPE_HELP = ("auto (default): bfloat16 on a GPU, float32 on the CPU. On the CPU, float32 is "
+              "kiln's CPU kernels on the GGUF's own blocks (logits match transformers, a "
+              "request's bits do not depend on its batch) and bfloat16 the linear layers in "
+              "bf16 through oneDNN (a CPU with AMX or AVX-512-BF16; not bit-exact). On CUDA: "
+              "weights, KV cache and attention in that dtype (float16 on CUDA only)")
 
 
 def _dtype_refusal(args) -> str | None:
     import torch
 
-    from kiln.runtime.backends.cpu.bf16 import bf16_refusal
+    from kiln.runtime.backends import dtype_refusal
 
-    if args.dtype != "bfloat16":
-        return None
-    return bf16_refusal(torch.cuda.is_available())
+    return dtype_refusal(args.dtype, torch.cuda.is_available())
 
 
 def engine_options(args):
@@ -32,7 +33,8 @@ def engine_options(args):
     return EngineOptions(ctx_len=args.ctx_len,
                          prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
                          kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-                         max_num_seqs=getattr(args, "max_num_seqs", 64), dtype=args.dtype)
+                         max_num_seqs=getattr(args, "max_num_seqs", None), dtype=args.dtype,
+                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9))
 
 
 def cmd_pull(args) -> int:
@@ -120,8 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
-    run.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                     help=DTYPE_HELP)
+    run.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -135,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill chunk length (raised to 512, rounded up to a power of 2)")
     serve.add_argument("--kv-cache-tokens", type=int, default=None,
                        help="KV cache capacity in tokens (default: 4 contexts, at least 16384)")
-    serve.add_argument("--max-num-seqs", type=int, default=64,
-                       help="most requests decoded together in one step")
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="most requests decoded together in one step (default 64 on the "
+                            "CPU, 256 on CUDA, at most what the KV cache holds)")
     serve.add_argument("--per-request-sampling", action="store_true",
                        help="sampling settings do not stick: each request starts from the "
                             "model defaults")
@@ -144,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="accepted for scripts written for older kiln: on the CPU a seeded "
                             "or greedy request gives the same bits alone, batched, or from "
                             "the prefix cache by default")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help=DTYPE_HELP)
+    serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: the fraction of the GPU's memory kiln may use; the KV cache "
+                            "gets what the weights and a step's activations leave of it "
+                            "(unless --kv-cache-tokens says)")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

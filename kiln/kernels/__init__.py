@@ -9,4 +9,10 @@ The paged KV layout shared by every kernel and by runtime/:
 On CUDA tensors the runtime calls the Triton kernel; on CPU tensors the reference.
 """
 
+import os
+
 BLOCK_SIZE = 16
+
+# Triton's interpreter (CPU tensors, the tests): launchers pick what suits numpy there; what
+# they pick otherwise is what a GPU runs (and what kernels/aot.py compiles, on CPU tensors).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

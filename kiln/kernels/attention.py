@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import INTERPRET
+
 
 @triton.jit
 def _find_seq_idx(
@@ -62,7 +64,11 @@ def _find_seq_idx(
     return lo - 1
 
 
-@triton.jit
+# Values that change with the batch are not specialised on (Triton would compile a variant
+# for 1, for multiples of 16 and for the rest): a model's steps then need only the variants
+# compiled at load (kernels/warmup.py).
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "block_table_stride",
+                               "num_partitions"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_acc_ptr,  # [num_tokens, num_heads, num_partitions, HEAD_DIM_PADDED] fp32 (SPLIT)
@@ -200,7 +206,7 @@ def _paged_attention_kernel(
                  mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_partitions"])
 def _reduce_partitions_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_acc_ptr,  # [num_tokens, num_heads, num_partitions, HEAD_DIM_PADDED] fp32
@@ -268,14 +274,14 @@ PARTITION_SIZE = 512
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _dot_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """tl.dot operand dtype: the cache dtype, except bf16 under Triton's interpreter.
 
     The interpreter (the only way Triton runs on CPU tensors) stores bf16 as uint16 and its
     tl.dot multiplies the raw bit patterns (triton-lang/triton#11584, "not supported yet").
     bf16 -> fp32 is exact, so an fp32 dot of the same bf16 values gives the tensor-core result.
     """
-    if dtype == torch.bfloat16 and device.type == "cpu":
+    if dtype == torch.bfloat16 and INTERPRET:
         return tl.float32
     return _TL_DTYPES[dtype]
 
@@ -342,7 +348,7 @@ def paged_attention(
                                dtype=torch.float32, device=query.device)
     # Each sequence owns at most query_len // BLOCK_Q + 2 position-aligned query tiles.
     grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads, num_partitions)
-    dot_dtype = _dot_dtype(query.dtype, query.device)
+    dot_dtype = _dot_dtype(query.dtype)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,
         seq_lens, query_start_loc, scale * math.log2(math.e), sliding_window, num_seqs,

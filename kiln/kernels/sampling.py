@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import INTERPRET
+
 MAX_TOP_LOGPROBS = 20
 BLOCK_W = 128  # penalty-window tokens per step of the fix-up loop (not from the window length)
 KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
@@ -110,7 +112,10 @@ def _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
     return lo, lo_mass
 
 
-@triton.jit
+# Batch-dependent values are not specialised on, so the variants warmed at load are all a
+# model's steps launch (kernels/warmup.py).
+@triton.jit(do_not_specialize=["logits_row_stride", "window_row_stride", "window_len",
+                               "bitmask_row_stride", "num_top"])
 def _sample_kernel(
     logits_ptr,          # [B, V] fp32 / bf16 / fp16
     logits_row_stride,
@@ -363,7 +368,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
     N = md.num_top_logprobs
     dev = logits.device
     if block_v is None:
-        block_v = 1024 if logits.is_cuda else min(triton.next_power_of_2(V), 8192)
+        # The interpreter runs a block as numpy arrays: the bigger the fewer Python steps.
+        block_v = min(triton.next_power_of_2(V), 8192) if INTERPRET else 1024
     token_ids, top_ids = (torch.empty(B, *n, dtype=torch.int64, device=dev) for n in ((), (N,)))
     logprobs, top_lps = (torch.empty(B, *n, dtype=torch.float32, device=dev) for n in ((), (N,)))
     processed = torch.empty(B, V, dtype=torch.float32, device=dev) if return_processed else None

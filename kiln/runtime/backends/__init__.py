@@ -35,6 +35,36 @@ class RopeTable:
         self.sin = freqs.sin().to(device=device, dtype=torch.float32).contiguous()
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, cuda: bool) -> str:
+    """`auto`: bf16 on a GPU that has it (fp16 otherwise), fp32 on the CPU."""
+    if name != "auto":
+        return name
+    if cuda:
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def dtype_refusal(name: str, cuda: bool) -> str | None:
+    """Why `--dtype name` cannot run here, or None if it can."""
+    name = resolve_dtype(name, cuda)
+    if cuda:
+        if name == "bfloat16" and not torch.cuda.is_bf16_supported():
+            return "--dtype bfloat16 needs a GPU with bf16 (sm_80 or later); try float16"
+        return None
+    if name == "float16":
+        return "--dtype float16 runs on CUDA only; on the CPU use float32 or bfloat16"
+    if name == "bfloat16":
+        from kiln.runtime.backends.cpu.bf16 import bf16_supported
+
+        if not bf16_supported():
+            return ("--dtype bfloat16 needs a CPU with native bf16 (AVX-512-BF16 or AMX); "
+                    "without it the products are slower than in float32")
+    return None
+
+
 def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
                  use_triton: bool = False):
     """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU);

@@ -4,34 +4,51 @@ the user's options, build the engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from kiln.runtime.backends import resolve_dtype
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import LLMEngine
+from kiln.runtime.kv.memory import kv_cache_tokens_for_memory
 from kiln.runtime.models.loader import LoadedModel, load_model
+from kiln.runtime.store.gguf_file import ModelLoadError
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What a user may set on the command line; None takes the model's own value."""
+    """What a user may set on the command line; None takes the model's (or device's) own."""
 
     ctx_len: int | None = None
     prefill_chunk_len: int | None = None
-    kv_cache_tokens: int | None = None
-    max_num_seqs: int = 64
-    dtype: str = "float32"  # or bfloat16: oneDNN's bf16 products (backends/cpu/bf16.py)
+    kv_cache_tokens: int | None = None  # None: from GPU memory on CUDA, 4 contexts on the CPU
+    max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU
+    dtype: str = "auto"  # runtime.backends.resolve_dtype
+    gpu_memory_utilization: float = 0.9
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
     """Load `model` (a catalogue tag or a GGUF path) and build its engine. Raises PullError
-    or ModelLoadError with a message fit for the user."""
+    or ModelLoadError (also for a GPU whose memory cannot hold a context) with a message fit
+    for the user."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    loaded = load_model(model, device=device, use_triton=cuda, dtype=getattr(torch, options.dtype))
+    dtype = getattr(torch, resolve_dtype(options.dtype, cuda))
+    loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype)
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
-        max_num_seqs=options.max_num_seqs, device=device, use_triton=cuda)
+        max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
+        use_triton=cuda)
+    if cuda and options.kv_cache_tokens is None:
+        free, total = torch.cuda.mem_get_info()
+        try:
+            tokens = kv_cache_tokens_for_memory(free, total, options.gpu_memory_utilization,
+                                                loaded.config, config, dtype.itemsize)
+        except ValueError as exc:
+            raise ModelLoadError(loaded.path, str(exc)) from exc
+        # Every running request holds at least a block.
+        config = replace(config, kv_cache_tokens=tokens,
+                         max_num_seqs=min(config.max_num_seqs, tokens // config.block_size))
     return loaded, LLMEngine(loaded, config)

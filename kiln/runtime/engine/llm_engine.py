@@ -15,9 +15,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
+import torch
 
+from kiln.kernels.warmup import KernelShapes, warmup_launches
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.model_runner import ModelRunner
 from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
@@ -28,6 +30,9 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.sampler import Sampler, fetch_samples, to_token_logprobs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger("kiln")
 
@@ -73,6 +78,21 @@ class LLMEngine:
         self.reply_tails = ReplyTails(config.block_size)
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
+        if config.use_triton and self.runner.device.type == "cuda":
+            self._compile_kernels()
+
+    def _compile_kernels(self) -> None:
+        """Compile every kernel variant this model's steps launch now, at load: a variant
+        first met mid-reply would stall every stream for its compile (0.5-5 s each)."""
+        t0 = time.perf_counter()
+        model = self.loaded.model
+        launches = warmup_launches(KernelShapes.of(self.loaded.config), model.backend.dtype,
+                                   model.logits_dtype, self.runner.device)
+        for _, launch in launches:
+            launch()
+        torch.cuda.synchronize()
+        log.info("[kiln]  Compiled %d kernel variants in %.1f s", len(launches),
+                 time.perf_counter() - t0)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         ctx = self.config.ctx_len

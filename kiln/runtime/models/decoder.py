@@ -77,10 +77,16 @@ class DecoderModel:
             h.add_(mlp)
         return be.rms_norm(h, self.final_norm, eps)
 
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """The LM head's dtype; fp32 where the model soft-caps (tanh in fp32)."""
+        return torch.float32 if self.cfg.final_logit_softcap else self.backend.dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in fp32, soft-capped if the model asks."""
-        logits = self.lm_head(hidden.contiguous()).float()
+        """hidden: [N, hidden] -> logits [N, vocab] in logits_dtype (the sampler reads bf16
+        as it is), soft-capped if the model asks."""
+        logits = self.lm_head(hidden.contiguous())
         cap = self.cfg.final_logit_softcap
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits

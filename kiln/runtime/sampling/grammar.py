@@ -21,12 +21,15 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 # Whitespace the JSON grammars allow between tokens, in a row: enough for pretty-printed JSON a
@@ -68,24 +71,38 @@ class GrammarCompilerCache:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None,
                  capacity: int = 64, max_threads: int = 2) -> None:
-        """vocab_size: the model's logits width (default: the tokenizer's vocabulary)."""
-        vocab = tokenizer.vocab_for_grammar()
-        self.vocab_size = vocab_size or vocab.vocab_size
+        """vocab_size: the model's logits width (default: the tokenizer's vocabulary).
+        xgrammar (and the transformers it imports, seconds of start-up) loads with the
+        first grammar, not with the engine."""
+        self.tokenizer, self.max_threads = tokenizer, max_threads
+        self.vocab_size = vocab_size or tokenizer.vocab_for_grammar().vocab_size
+        self.capacity = capacity
+        self._entries: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self.hits = self.misses = 0
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
+
+    def _make_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
+        tokenizer, vocab = self.tokenizer, self.tokenizer.vocab_for_grammar()
         stop = [i for i in vocab.stop_token_ids if i < self.vocab_size]
         encoded = list(vocab.encoded_vocab[:self.vocab_size])
         for i in tokenizer.special_token_ids:  # "" makes xgrammar treat a token as special
             if i < self.vocab_size and i not in tokenizer.stop_token_ids:
                 encoded[i] = ""
-        self.info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab.vocab_type],
-                                      vocab_size=self.vocab_size, stop_token_ids=stop,
-                                      add_prefix_space=vocab.add_prefix_space)
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab.vocab_type],
+                                 vocab_size=self.vocab_size, stop_token_ids=stop,
+                                 add_prefix_space=vocab.add_prefix_space)
         # Our LRU is the cache; xgrammar's own would hold every grammar ever compiled.
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads,
-                                            cache_enabled=False)
-        self.capacity = capacity
-        self._entries: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        return xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
 
     @property
     def bitmask_width(self) -> int:
@@ -133,6 +150,8 @@ class GrammarState:
     """One request's position in its grammar. Used by the engine thread only."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, prefix: str = "") -> None:
+        import xgrammar as xgr
+
         """prefix: text already in the reply (continue_final_message) that the grammar must
         accept first; a prefix it rejects is a 400 on `continue_final_message`."""
         self.matcher = xgr.GrammarMatcher(compiled)

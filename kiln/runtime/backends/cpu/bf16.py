@@ -21,16 +21,6 @@ def bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def bf16_refusal(cuda: bool) -> str | None:
-    """Why `--dtype bfloat16` cannot run here, or None if it can."""
-    if cuda:
-        return "--dtype bfloat16 runs on the CPU only so far"
-    if not bf16_supported():
-        return ("--dtype bfloat16 needs a CPU with native bf16 (AVX-512-BF16 or AMX); "
-                "without it the products are slower than in float32")
-    return None
-
-
 class PackedBf16:
     """A linear layer's weights (stacked along the outputs) in bf16, in oneDNN's layout."""
 

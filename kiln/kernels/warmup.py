@@ -1,0 +1,96 @@
+"""Every kernel variant a model's steps launch, as launches on dummy tensors of its shapes.
+
+Run once at load on CUDA, so that no reply stalls every stream on a mid-step compile; the
+ahead-of-time compile test (kernels/aot.py) records the same launches and compiles them for
+sm_90 and sm_80 on the CPU. A variant is fixed by the constexprs and the specialisations of
+the arguments the launchers do not mark do_not_specialize: the model's shapes, the dtype,
+and per kernel a few features (sliding window, split-KV, penalties, grammar).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels import BLOCK_SIZE
+from kiln.kernels.attention import PARTITION_SIZE, paged_attention
+from kiln.kernels.kv_cache import store_kvcache
+from kiln.kernels.sampling import SamplingMetadata, sample
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """What of a model the kernels' variants depend on."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    sliding_windows: tuple[int, ...] = (0,)  # the distinct windows of its layers; 0 = none
+    block_size: int = BLOCK_SIZE
+
+    @staticmethod
+    def of(cfg) -> KernelShapes:
+        """From a ModelConfig."""
+        windows = sorted({cfg.layer_sliding_window(i) for i in range(cfg.num_layers)})
+        return KernelShapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
+                            tuple(windows))
+
+
+def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torch.dtype,
+                    device: torch.device | str) -> list[tuple[str, Callable[[], None]]]:
+    """(name, launch) for every variant: attention (and the KV store) at each window, split
+    and not; the sampler with and without penalties and grammar."""
+    H, KVH, D, bs = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size
+    seq_len = PARTITION_SIZE + 1  # one key past a partition: the split variant
+    num_blocks = -(-seq_len // bs)
+    key_cache = torch.zeros((num_blocks, bs, KVH, D), dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    # Q, K and V as views of one product, as the forward makes them.
+    qkv = torch.zeros((1, (H + 2 * KVH) * D), dtype=dtype, device=device)
+    q = qkv[:, :H * D].view(1, H, D)
+    k = qkv[:, H * D:(H + KVH) * D].view(1, KVH, D)
+    v = qkv[:, (H + KVH) * D:].view(1, KVH, D)
+    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    slot_mapping = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def attention(window: int, length: int):
+        seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
+
+        def launch():
+            store_kvcache(k, v, key_cache, value_cache, slot_mapping)
+            paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                            D ** -0.5, sliding_window=window, max_seq_len=length)
+        return launch
+
+    launches = [(f"attention window={w} split={length > PARTITION_SIZE}", attention(w, length))
+                for w in shapes.sliding_windows for length in (1, seq_len)]
+
+    B, V = 2, shapes.vocab_size
+    logits = torch.zeros((B, V), dtype=logits_dtype, device=device)
+
+    def sampler(penalties: bool, grammar: bool):
+        def col(values, dt):
+            return torch.tensor(values, dtype=dt, device=device)
+
+        def launch():
+            md = SamplingMetadata(
+                temperature=col([0.0, 1.0], torch.float32), top_k=col([0, 5], torch.int32),
+                top_p=col([1.0, 0.9], torch.float32), min_p=col([0.0, 0.1], torch.float32),
+                repetition_penalty=col([1.0, 1.1], torch.float32),
+                frequency_penalty=col([0.0, 0.5], torch.float32),
+                presence_penalty=col([0.0, 0.5], torch.float32),
+                window_token_ids=col([[1, 2], [3, -1]], torch.int64) if penalties else None,
+                seeds=col([0, 1], torch.int64), offsets=col([0, 0], torch.int64),
+                grammar_bitmask=torch.full((B, -(-V // 32)), -1, dtype=torch.int32,
+                                           device=device) if grammar else None,
+                num_top_logprobs=1, flags=(True, True, True, False))
+            sample(logits, md)
+        return launch
+
+    launches += [(f"sampler penalties={p} grammar={g}", sampler(p, g))
+                 for p in (False, True) for g in (False, True)]
+    return launches

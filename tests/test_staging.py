@@ -1,0 +1,51 @@
+"""A step's host arrays reach the device in one copy: packed (aligned, any dtype and shape)
+and unpacked bit for bit; the runner and the sampler each send once per step."""
+
+import numpy as np
+import torch
+
+from kiln.runtime.engine.staging import ALIGN, StagingBuffer
+
+
+def test_mixed_arrays_round_trip_in_one_copy():
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-5, 5, 7).astype(np.int64), rng.random(3, dtype=np.float32),
+              rng.integers(0, 9, (4, 5)).astype(np.int32), np.zeros(0, dtype=np.int64),
+              np.array([1.5], dtype=np.float32)]
+    staging = StagingBuffer("cpu", capacity=64, copy=True)  # grows past 64 bytes
+    for _ in range(2):  # the second send reuses the buffer
+        sent = staging.send(*arrays)
+        for a, t in zip(arrays, sent, strict=True):
+            assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
+            assert torch.equal(t, torch.from_numpy(a))
+            assert t.data_ptr() % ALIGN == 0 and t.is_contiguous()
+    assert staging.num_copies == 2
+
+
+def test_a_step_sends_once_from_the_runner_and_once_from_the_sampler(make_engine):
+    """Through packed copies (as on CUDA) the engine makes the same tokens as without."""
+    from conftest import run_to_completion
+
+    from kiln.runtime.sampling.params import SamplingParams
+
+    def run(staged: bool):
+        engine = make_engine(kv_cache_tokens=4096, max_num_seqs=4)
+        if staged:
+            engine.runner.staging = StagingBuffer("cpu", copy=True)
+            engine.sampler.staging = StagingBuffer("cpu", copy=True)
+        params = SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3)
+        reqs = [engine.make_request(f"r{i}", [1, 2, 3, 4 + i], params, max_tokens=6,
+                                    num_top_logprobs=2) for i in range(3)]
+        steps = 0
+
+        def step():
+            nonlocal steps
+            steps += 1
+            return original()
+        original, engine.step = engine.step, step
+        return engine, run_to_completion(engine, reqs), steps
+
+    engine, staged, steps = run(True)
+    assert engine.runner.staging.num_copies == steps
+    assert engine.sampler.staging.num_copies == steps  # every step here samples
+    assert staged == run(False)[1]
