@@ -37,6 +37,16 @@ def engines(smollm2, tmp_path_factory):
     return built
 
 
+@pytest.fixture(scope="module")
+def graph_engine(engines):
+    """The Triton engine's model with decode steps through DecodeGraphs: batches padded to
+    the buckets (1, 2, 4, 8), split-KV over the whole context; replayed eagerly off CUDA."""
+    loaded = engines[0].loaded
+    config = EngineConfig.build(4096, 512, kv_cache_tokens=4096, max_num_seqs=8,
+                                use_triton=True, cuda_graphs=True)
+    return LLMEngine(loaded, config)
+
+
 def _requests(engine, tag):
     long_prompt = [(i * 37) % 5000 + 10 for i in range(700)]
     specs = [
@@ -78,6 +88,27 @@ def test_the_triton_engine_generates_what_the_cpu_engine_does(engines):
         torch.testing.assert_close(torch.tensor([lp for _, lp in got[rid]]),
                                    torch.tensor([lp for _, lp in want[rid]]),
                                    atol=1e-4, rtol=0)
+
+
+def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
+        engines, graph_engine):
+    """Three requests decode as a bucket of 4 (one padding row), then 2 as a bucket of 2."""
+    graphs, buckets = graph_engine.runner.graphs, []
+    replay = graphs.replay
+    graphs.replay = lambda *args: buckets.append(args[-1]) or replay(*args)
+    got, want = {}, {}
+    for engine, out in ((graph_engine, got), (engines[0], want)):
+        reqs = _requests(engine, "g")[1:]
+        reqs[0].max_tokens = 3  # leaves the batch early: the bucket shrinks
+        out |= _run(engine, reqs)
+        assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
+    assert {4, 2} <= set(buckets), buckets
+    assert {k: [t for t, _ in v] for k, v in got.items()} == \
+        {k: [t for t, _ in v] for k, v in want.items()}
+    for rid in want:
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got[rid]]),
+                                   torch.tensor([lp for _, lp in want[rid]]),
+                                   atol=1e-5, rtol=0)
 
 
 def test_the_triton_sampler_follows_the_grammar_bitmask(engines, smollm2):

@@ -34,7 +34,8 @@ def engine_options(args):
                          prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
                          kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                          max_num_seqs=getattr(args, "max_num_seqs", None), dtype=args.dtype,
-                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9))
+                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                         enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def cmd_pull(args) -> int:
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CUDA: the fraction of the GPU's memory kiln may use; the KV cache "
                             "gets what the weights and a step's activations leave of it "
                             "(unless --kv-cache-tokens says)")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly, without the CUDA graphs captured "
+                            "at load")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -26,6 +26,7 @@ class EngineOptions:
     max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -40,7 +41,7 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
         max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
-        use_triton=cuda)
+        use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager)
     if cuda and options.kv_cache_tokens is None:
         free, total = torch.cuda.mem_get_info()
         try:

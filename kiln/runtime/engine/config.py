@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 0  # 0 = prefill_chunk_len + max_num_seqs
     device: str = "cpu"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
+    cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

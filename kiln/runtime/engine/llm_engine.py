@@ -79,11 +79,12 @@ class LLMEngine:
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
         if config.use_triton and self.runner.device.type == "cuda":
-            self._compile_kernels()
+            self._prepare_gpu()
 
-    def _compile_kernels(self) -> None:
-        """Compile every kernel variant this model's steps launch now, at load: a variant
-        first met mid-reply would stall every stream for its compile (0.5-5 s each)."""
+    def _prepare_gpu(self) -> None:
+        """At load, not mid-reply: compile every kernel variant this model's steps launch (a
+        variant first met by a step would stall every stream for its compile, 0.5-5 s),
+        then capture the decode graphs."""
         t0 = time.perf_counter()
         model = self.loaded.model
         launches = warmup_launches(KernelShapes.of(self.loaded.config), model.backend.dtype,
@@ -91,8 +92,12 @@ class LLMEngine:
         for _, launch in launches:
             launch()
         torch.cuda.synchronize()
-        log.info("[kiln]  Compiled %d kernel variants in %.1f s", len(launches),
-                 time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        log.info("[kiln]  Compiled %d kernel variants in %.1f s", len(launches), t1 - t0)
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture()
+            log.info("[kiln]  Captured decode CUDA graphs for batch sizes %s in %.1f s",
+                     ",".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - t1)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         ctx = self.config.ctx_len

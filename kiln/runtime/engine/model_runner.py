@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.cuda_graphs import DecodeGraphs
 from kiln.runtime.engine.request import Request
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
@@ -24,6 +25,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S'] rows whose next token is sampled
     sampling_requests: list[Request]  # the S' requests, in the same order
+    graph_bucket: int | None = None  # a decode padded to this CUDA-graph bucket
 
 
 class ModelRunner:
@@ -39,6 +41,8 @@ class ModelRunner:
                                            mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
         self.staging = StagingBuffer(self.device)
+        self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.ctx_len,
+                                   config.block_size, self.device) if config.cuda_graphs else None
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         bs = self.config.block_size
@@ -65,6 +69,16 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_indices.append(end - 1)
                 sampling_requests.append(req)
+        bucket = None
+        if self.graphs is not None and num_tokens == num_seqs == len(sampling_requests):
+            bucket = self.graphs.bucket(num_seqs)
+        if bucket is not None and bucket > num_seqs:  # pad: one-token rows that store nothing
+            pad = bucket - num_seqs
+            input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+            slot_mapping = np.pad(slot_mapping, (0, pad), constant_values=-1)
+            seq_lens = np.pad(seq_lens, (0, pad), constant_values=1)
+            query_start_loc = np.arange(bucket + 1, dtype=np.int32)
+            block_tables = np.pad(block_tables, ((0, pad), (0, 0)))
         (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
          logits_indices_t) = self.staging.send(
             input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
@@ -74,11 +88,15 @@ class ModelRunner:
             slot_mapping=slot_mapping, max_query_len=max(n for _, n in scheduled),
             max_seq_len=max(req.num_computed_tokens + n for req, n in scheduled))
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
-                          logits_indices=logits_indices_t, sampling_requests=sampling_requests)
+                          logits_indices=logits_indices_t, sampling_requests=sampling_requests,
+                          graph_bucket=bucket)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
-        """Logits [S', vocab] fp32 for the rows that sample, or None if none do."""
+        """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None."""
+        if inp.graph_bucket is not None:  # a decode: every row samples, in order
+            logits = self.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
+            return logits[:len(inp.sampling_requests)]
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         if not inp.sampling_requests:
             return None
