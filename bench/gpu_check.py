@@ -1,0 +1,360 @@
+"""The GPU check: kiln's CUDA path against its references, then timed, one figure a line.
+
+    bash bench/gpu_check.sh            # on the GPU machine (its python3; wheels carried)
+    python bench/gpu_check.py --dry-run  # here: CPU, Triton's interpreter, tiny shapes
+
+Models are random-weight GGUFs written here with the default model's shapes (smollm2:135m)
+and one 1B-class shape (Llama 3.2 1B's), so nothing is downloaded. Sections:
+  correctness: CUDA logits (fp32 and bf16) against the CPU torch reference on the same file;
+    attention at batch 256 x 4k context and at one 32k-token sequence against
+    paged_attention_ref; the fused sampler's tokens against sample_ref, and its draws'
+    distribution against the filtered softmax;
+  timing (triton.testing.do_bench): decode attention GB/s against the H200's 4.8 TB/s; the
+    fused sampler against a sort-based torch sampler at batch 256 x vocab 151,936; engine
+    decode steps (no HTTP) at batch 1/16/64/256, with and without CUDA graphs; host syncs per
+    step (torch's sync debug mode) and kernels compiled after load (should be 0).
+A dry run does every step at toy sizes on the CPU: it shows the script works, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before triton is imported: kernels on CPU tensors run in the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kiln.kernels.attention import paged_attention, paged_attention_ref  # noqa: E402
+from kiln.kernels.sampling import SamplingMetadata, sample  # noqa: E402
+from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
+from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
+from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from kiln.runtime.kv.attention_metadata import AttentionMetadata  # noqa: E402
+from kiln.runtime.models import llama  # noqa: E402
+from kiln.runtime.models.loader import LoadedModel  # noqa: E402
+from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
+from kiln.runtime.store.gguf_file import open_gguf  # noqa: E402
+
+HBM_GBPS = 4800.0  # H200
+# (layers, hidden, intermediate, heads, kv heads, head_dim, vocab)
+SHAPES = {"smollm2-135m": (30, 576, 1536, 9, 3, 64, 49152),
+          "llama-1b": (16, 2048, 8192, 32, 8, 64, 128256)}
+DRY_SHAPES = {"smollm2-135m": (2, 384, 512, 6, 2, 64, 512)}
+T0 = time.perf_counter()
+
+
+def line(name: str, value, unit: str = "", note: str = "") -> None:
+    value = f"{value:.4g}" if isinstance(value, float) else str(value)
+    print(f"{name:52s} {value:>10s} {unit:8s} {note}".rstrip(), flush=True)
+
+
+def write_gguf(path: Path, shape, seed: int = 0) -> Path:
+    """A llama GGUF of random F16 weights, scaled 1/sqrt(fan-in) so activations keep their
+    size through the layers; no tokenizer (the check feeds token ids)."""
+    import gguf
+
+    layers, hidden, inter, heads, kv_heads, head_dim, vocab = shape
+    rng = np.random.default_rng(seed)
+
+    def rand(*s):
+        return (rng.standard_normal(s, dtype=np.float32) / math.sqrt(s[-1])).astype(np.float16)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": layers, "context_length": 32768,
+                       "embedding_length": hidden, "feed_forward_length": inter,
+                       "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                       "rope.dimension_count": head_dim, "vocab_size": vocab}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 100000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tensor("token_embd.weight", rand(vocab, hidden) * np.float16(8))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, t in (("attn_q", rand(q, hidden)), ("attn_k", rand(kv, hidden)),
+                        ("attn_v", rand(kv, hidden)), ("attn_output", rand(hidden, q)),
+                        ("ffn_gate", rand(inter, hidden)), ("ffn_up", rand(inter, hidden)),
+                        ("ffn_down", rand(hidden, inter))):
+            w.add_tensor(p + name + ".weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def build(path: Path, device: str, dtype: torch.dtype, use_triton: bool = True) -> LoadedModel:
+    """The model on DenseBackend: Triton attention (on CUDA, or the interpreter in a dry
+    run), or (use_triton=False, the reference) torch's."""
+    gf = open_gguf(path)
+    cfg = llama.read_config(gf)
+    backend = DenseBackend(device, dtype, use_triton=use_triton)
+    return LoadedModel(path.stem, path, None, cfg, llama.build(cfg, gf, backend),
+                       tokenizer=None, chat_template=None, load_seconds=0.0)
+
+
+def prompt_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, read in one chunk: [T, vocab] fp32."""
+    model, cfg = loaded.model, loaded.config
+    dev = model.backend.device
+    T, bs = len(tokens), 16
+    blocks = -(-T // bs)
+    caches = [model.backend.kv_cache(blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+              for _ in range(cfg.num_layers)]
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, T], **i32), seq_lens=torch.tensor([T], **i32),
+        block_tables=torch.arange(blocks, **i32)[None], max_query_len=T, max_seq_len=T,
+        slot_mapping=torch.arange(T, dtype=torch.int64, device=dev))
+    ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+    with torch.inference_mode():
+        hidden = model.forward(ids, ids.clone(), meta, caches)
+        return model.compute_logits(hidden).float().cpu()
+
+
+def check_logits(path: Path, device: str) -> None:
+    rng = np.random.default_rng(1)
+    ref_model = build(path, "cpu", torch.float32, use_triton=False)
+    tokens = rng.integers(0, ref_model.config.vocab_size, 48 if DRY else 300).tolist()
+    ref = prompt_logits(ref_model, tokens)
+    del ref_model
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 8e-2)):
+        if DRY and dtype == torch.bfloat16:
+            continue  # bf16 products on the CPU are what --dtype bfloat16 tests cover
+        got = prompt_logits(build(path, device, dtype), tokens)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        line(f"logits {str(dtype)[6:]} vs CPU reference: max err / max |logit|", err,
+             "", f"top-1 agreement {top1:.1%}  {'ok' if err < tol else 'FAIL'} (< {tol})")
+
+
+def paged_batch(num_seqs, context, query_len, heads, kv_heads, head_dim, dtype, device,
+                seed=0):
+    """Random K/V for num_seqs sequences of context + query_len tokens in a shuffled cache."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    seq_len, bs = context + query_len, 16
+    blocks = -(-seq_len // bs)
+    perm = torch.randperm(num_seqs * blocks, generator=g).to(device)
+    shape = (num_seqs * blocks, bs, kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=g).to(device, dtype)
+    value_cache = torch.randn(shape, generator=g).to(device, dtype)
+    query = torch.randn((num_seqs * query_len, heads, head_dim), generator=g).to(device, dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    return (query, key_cache, value_cache, perm.view(num_seqs, blocks).to(torch.int32),
+            torch.full((num_seqs,), seq_len, **i32),
+            torch.arange(0, num_seqs * query_len + 1, query_len, **i32)), seq_len
+
+
+def check_attention(device: str) -> None:
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    cases = [("batch 256 x 4k decode", 256, 4096, 1), ("one 32k-token decode", 1, 32768, 1),
+             ("512-token chunk at 16k context", 1, 16384, 512)]
+    if DRY:
+        cases = [("batch 3 x 520 decode", 3, 520, 1), ("chunk of 20 at 530", 1, 530, 20)]
+    for name, num_seqs, context, query_len in cases:
+        args, seq_len = paged_batch(num_seqs, context, query_len, 9, 3, 64, dt, device)
+        out = paged_attention(*args, scale=0.125, max_seq_len=seq_len)
+        ref = paged_attention_ref(*args, scale=0.125)
+        err = (out.float() - ref.float()).abs().max().item()
+        tol = 2e-2 if dt == torch.bfloat16 else 1e-4
+        line(f"attention {name} vs reference: max abs err", err, "",
+             "ok" if err < tol else f"FAIL (>= {tol})")
+
+
+def sampling_batch(B: int, V: int, dtype, device, seed=0) -> tuple[torch.Tensor, SamplingMetadata]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (torch.randn((B, V), generator=g) * 3).to(device, dtype)
+    rows = torch.arange(B)
+    f32 = dict(dtype=torch.float32, device=device)
+    temperature = torch.where(rows % 4 == 0, 0.0, 0.7 + (rows % 3) * 0.2).to(**f32)
+    top_k = torch.where(rows % 5 == 1, 40, 0).to(torch.int32).to(device)
+    top_p = torch.where(rows % 3 == 2, 0.9, 1.0).to(**f32)
+    min_p = torch.where(rows % 7 == 3, 0.05, 0.0).to(**f32)
+    ones, zeros = torch.ones(B, **f32), torch.zeros(B, **f32)
+    md = SamplingMetadata(temperature, top_k, top_p, min_p, ones, zeros, zeros, None,
+                          seeds=rows.to(torch.int64).to(device) * 7919,
+                          offsets=torch.zeros(B, dtype=torch.int64, device=device),
+                          grammar_bitmask=None, num_top_logprobs=1)
+    return logits, md
+
+
+def torch_sort_sampler(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The common torch sampler: temperature, a full sort, top-k and top-p masks, a draw."""
+    x = logits.float() / md.temperature.clamp(min=1e-5)[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    k = torch.where(md.top_k > 0, md.top_k, x.shape[1]).long()
+    pos = torch.arange(x.shape[1], device=x.device)[None]
+    sorted_x = sorted_x.masked_fill(pos >= k[:, None], float("-inf"))
+    probs = sorted_x.softmax(-1)
+    cut = probs.cumsum(-1) - probs > md.top_p[:, None]
+    probs = probs.masked_fill(cut, 0.0)
+    return order.gather(1, torch.multinomial(probs, 1))[:, 0]
+
+
+def check_sampler(device: str) -> None:
+    B, V = (256, 151936) if not DRY else (8, 3000)
+    logits, md = sampling_batch(B, V, torch.bfloat16 if device == "cuda" else torch.float32,
+                                device)
+    got, want = sample(logits, md), sample_ref(logits, md)
+    same = (got.token_ids == want.token_ids).float().mean().item()
+    line(f"sampler {B} x {V}: tokens equal to sample_ref", f"{same:.2%}", "",
+         "ok" if same == 1.0 else "FAIL")
+    # Distribution: one row's filtered softmax against its draws over N seeds.
+    N, V2 = (20000, 1000) if not DRY else (200, 100)
+    row = torch.randn(V2, generator=torch.Generator().manual_seed(5)) * 2
+    f32 = dict(dtype=torch.float32, device=device)
+    md2 = SamplingMetadata(torch.full((N,), 0.8, **f32),
+                           torch.full((N,), 50, dtype=torch.int32, device=device),
+                           torch.full((N,), 0.95, **f32), torch.zeros(N, **f32),
+                           torch.ones(N, **f32), torch.zeros(N, **f32), torch.zeros(N, **f32),
+                           None, torch.arange(N, dtype=torch.int64, device=device),
+                           torch.zeros(N, dtype=torch.int64, device=device), None)
+    drawn = sample(row.to(device)[None].expand(N, V2).contiguous(), md2).token_ids.cpu()
+    x = row / 0.8
+    keep = x >= x.topk(50).values[-1]
+    p = torch.where(keep, x, float("-inf")).softmax(-1)
+    sp, order = p.sort(descending=True)
+    keep_p = torch.zeros_like(keep)
+    keep_p[order[(sp.cumsum(0) - sp) < 0.95]] = True
+    p = torch.where(keep_p, p, 0.0)
+    p = p / p.sum()
+    freq = torch.bincount(drawn, minlength=V2).double() / N
+    tv = 0.5 * (freq - p.double()).abs().sum().item()
+    # E[TV] of N draws from k cells is about sqrt(k / (2 pi N)): allow 2.5 times that.
+    bound = math.sqrt(int(keep_p.sum()) / N)
+    line(f"sampler draws ({N}) vs filtered softmax: total variation", tv, "",
+         "ok" if tv < bound else f"FAIL (>= {bound:.3f})")
+
+
+def bench(fn) -> float:
+    """Milliseconds per call: triton.testing.do_bench on a GPU; a rough clock in a dry run."""
+    if not DRY:
+        return triton.testing.do_bench(fn, warmup=25, rep=200)
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
+def time_kernels(device: str) -> None:
+    note = "(dry run: CPU interpreter)" if DRY else ""
+    for model, (_, _, _, heads, kv_heads, head_dim, _) in SHAPES.items():
+        num_seqs, context = (256, 4096) if not DRY else (2, 520)
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+        args, seq_len = paged_batch(num_seqs, context, 1, heads, kv_heads, head_dim, dt, device)
+        ms = bench(lambda args=args, seq_len=seq_len: paged_attention(
+            *args, scale=0.125, max_seq_len=seq_len))
+        kv_bytes = 2 * num_seqs * seq_len * kv_heads * head_dim * dt.itemsize
+        gbps = kv_bytes / ms / 1e6
+        line(f"attention decode {model} {num_seqs} x {context}", ms, "ms",
+             f"{gbps:.0f} GB/s = {gbps / HBM_GBPS:.0%} of {HBM_GBPS:.0f} {note}")
+        if DRY:
+            break
+    B, V = (256, 151936) if not DRY else (4, 3000)
+    logits, md = sampling_batch(B, V, torch.bfloat16 if device == "cuda" else torch.float32,
+                                device)
+    fused = bench(lambda: sample(logits, md))
+    sort = bench(lambda: torch_sort_sampler(logits, md))
+    line(f"fused sampler {B} x {V}", fused, "ms", f"torch sort-based {sort:.3f} ms: "
+         f"{sort / fused:.2f}x {note}")
+
+
+def time_engine(path: Path, device: str, label: str, batches) -> None:
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    loaded = build(path, device, dt)
+    compiled_after_load = []
+    for graphs in (True, False):  # off CUDA the graphs' padded buckets replay eagerly
+        config = EngineConfig(ctx_len=1024 if DRY else 4096, prefill_chunk_len=2048,
+                              kv_cache_tokens=
+                              max(batches) * 256 + 4096, max_num_seqs=max(batches),
+                              device=device, use_triton=True, cuda_graphs=graphs)
+        engine = LLMEngine(loaded, config)
+        triton.knobs.runtime.jit_post_compile_hook = \
+            lambda *a, **k: compiled_after_load.append(1)
+        rng = np.random.default_rng(2)
+        for B in batches:
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+            for i in range(B):
+                engine.add_request(engine.make_request(
+                    f"{B}-{i}", rng.integers(0, loaded.config.vocab_size, 128).tolist(),
+                    params, max_tokens=800, ignore_eos=True, stop_token_ids=frozenset()))
+            while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+                engine.step()  # prefill
+            steps = 2 if DRY else 48
+            for _ in range(2):
+                engine.step()
+            syncs = "n/a (CPU)"
+            if device == "cuda":
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    engine.step()
+                    torch.cuda.set_sync_debug_mode("default")
+                syncs = str(sum("synchroniz" in str(w.message) for w in caught))
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            ms = (time.perf_counter() - t0) / steps * 1000
+            line(f"decode step {label} batch {B} {'graphs' if graphs else 'eager'}", ms, "ms",
+                 f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}")
+            for rid in list(engine.requests):
+                engine.abort(rid)
+        triton.knobs.runtime.jit_post_compile_hook = None
+    if DRY:
+        line(f"kernels compiled after load ({label})", "n/a", "", "(the interpreter compiles "
+             "nothing: tests/test_aot_compile.py checks the variants)")
+    else:
+        line(f"kernels compiled after load ({label})", len(compiled_after_load), "",
+             "ok" if not compiled_after_load else "FAIL: a step met a variant not warmed")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreter, toy shapes")
+    p.add_argument("--skip-1b", action="store_true")
+    args = p.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "none (dry run)"
+    line("device", gpu, "", f"torch {torch.__version__}, triton {triton.__version__}")
+    shapes = DRY_SHAPES if DRY else SHAPES
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for name, shape in shapes.items():
+            if name == "llama-1b" and args.skip_1b:
+                continue
+            t0 = time.perf_counter()
+            paths[name] = write_gguf(Path(tmp) / f"{name}.gguf", shape)
+            line(f"wrote random-weight {name}.gguf", time.perf_counter() - t0, "s")
+        check_logits(paths["smollm2-135m"], device)
+        check_attention(device)
+        check_sampler(device)
+        time_kernels(device)
+        batches = (1, 16, 64, 256) if not DRY else (1, 3)
+        time_engine(paths["smollm2-135m"], device, "smollm2-135m", batches)
+        if "llama-1b" in paths:
+            time_engine(paths["llama-1b"], device, "llama-1b", (1, 64))
+    line("total", time.perf_counter() - T0, "s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""bench/gpu_check.sh, the one script a GPU machine runs, works: its dry run (the same steps
+at toy sizes, on the CPU in Triton's interpreter) passes every check it makes and prints
+every section's figures. Its numbers here are not GPU figures and are not asserted."""
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_passes_every_check():
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "FAIL" not in out, out
+    for section in ("logits float32 vs CPU reference", "attention batch", "tokens equal to "
+                    "sample_ref", "vs filtered softmax", "attention decode", "fused sampler",
+                    "decode step smollm2-135m batch 3 graphs", "batch 3 eager", "total"):
+        assert section in out, f"{section!r} missing:\n{out}"
+    assert out.count(" ok") == 5, out  # logits, two attention cases, two sampler checks
