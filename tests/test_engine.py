@@ -121,3 +121,36 @@ def test_abort_frees_the_request_blocks_between_steps(smollm2, make_engine):
     again = engine.make_request("b", list(range(1000, 2200)), GREEDY, max_tokens=1)
     run_to_completion(engine, [again])
     assert again.num_cached_tokens == 512
+
+
+def test_a_request_the_whole_pool_cannot_hold_is_refused_and_others_are_capped(make_engine):
+    """--kv-cache-tokens 1024 under a 4096 context: 2,000 prompt tokens used to wait (and
+    spin) for ever after their preemption. Now: refused before anything is allocated; a
+    reply without max_tokens ends, "length", where the pool is full."""
+    from kiln.runtime.errors import KVCacheCapacityError
+
+    engine = make_engine(kv_cache_tokens=1024, ctx_len=4096)
+    prompt = list(range(1000, 3000))
+    with pytest.raises(KVCacheCapacityError) as exc:
+        engine.make_request("big", prompt, GREEDY)
+    assert error_response(exc.value, "x")[0] == 400
+    with pytest.raises(KVCacheCapacityError):
+        engine.make_request("fits-not", prompt[:1000], GREEDY, max_tokens=100)
+    assert _pool_is_clean(engine)
+    req = engine.make_request("capped", prompt[:1000], SamplingParams(temperature=1.0, seed=1))
+    assert req.max_tokens == 24  # 1024 - 1000
+    out = run_to_completion(engine, [req])["capped"]
+    assert len(out) <= 24 and req.finish_reason in ("length", "stop")
+    assert _pool_is_clean(engine)
+
+
+def test_a_step_that_can_schedule_nothing_marks_the_engine_stalled(make_engine, monkeypatch):
+    """The engine thread then waits for its inbox instead of stepping in a loop."""
+    engine = make_engine(kv_cache_tokens=1024)
+    req = engine.make_request("r", [1, 2, 3], GREEDY, max_tokens=2)
+    engine.add_request(req)
+    monkeypatch.setattr(engine.kv, "allocate_slots", lambda *a, **k: False)
+    assert engine.step() == [] and engine.stalled
+    monkeypatch.undo()
+    engine.step()
+    assert not engine.stalled

@@ -103,7 +103,8 @@ def cmd_serve(args) -> int:
     if args.deterministic:
         logging.getLogger("kiln").info(
             "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
-    options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling)
+    options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling,
+                           shutdown_timeout=args.shutdown_timeout)
     return serve(args.model, options, args.host, args.port)
 
 
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly, without the CUDA graphs captured "
                             "at load")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds running requests may take to finish before "
+                            "they are ended (finish_reason \"abort\"); new requests get 503")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

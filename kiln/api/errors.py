@@ -23,6 +23,7 @@ __all__ = [
     "InvalidRequestError",
     "KilnError",
     "ModelNotFoundError",
+    "ServiceUnavailableError",
     "error_body",
     "error_response",
     "http_status",
@@ -42,8 +43,17 @@ class InternalServerError(KilnError):
         self.request_id = request_id
 
 
+class ServiceUnavailableError(KilnError):
+    """The server is shutting down (SIGTERM) and takes no new requests (503)."""
+
+    def __init__(self) -> None:
+        super().__init__("The server is shutting down and accepts no new requests.",
+                         param=None, code="service_unavailable")
+
+
 # Most specific first: (class, HTTP status, OpenAI error type)
 _HTTP = (
+    (ServiceUnavailableError, 503, "server_error"),
     (ContextLengthError, 400, "model_error"),  # the reference runtime's body, word for word
     (ModelNotFoundError, 404, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),

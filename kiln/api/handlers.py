@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kiln.api.continuation import continuation_prompt
-from kiln.api.errors import InternalServerError, error_body
+from kiln.api.errors import InternalServerError, ServiceUnavailableError, error_body
 from kiln.api.generation import Delta, OutputAssembler
 from kiln.api.protocol import load_json_body, parse_chat_request, parse_completion_request
 from kiln.api.reasoning import ReasoningStart
@@ -42,7 +42,8 @@ class Generation:
         try:
             async for out in self.stream:
                 delta = self.assembler.add(out, time.monotonic())
-                if out.finish_reason == "abort" and not self.assembler.stopped:
+                if out.finish_reason == "abort" and not self.assembler.stopped \
+                        and not self.state.draining:  # shutdown ends a reply as "abort"
                     raise InternalServerError(self.request_id, "The engine aborted the request.")
                 yield delta
                 if self.assembler.stopped:  # a stop string: the engine need not go on
@@ -67,6 +68,8 @@ def _think_kwargs(state: ServerState, sent) -> dict:
 
 def _submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int | None,
             assembler: OutputAssembler, **engine_kw) -> Generation:
+    if state.draining:
+        raise ServiceUnavailableError()
     engine = state.engine
     engine.check_context(len(ids), req.max_tokens)  # before settings change
     sampling = state.settings.admit(req.sampling)

@@ -212,7 +212,28 @@ def load_json_body(raw: bytes | str) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise InvalidRequestError("We could not parse the JSON body of your request.") from None
+    _check_unicode(body)
     return _body(body)
+
+
+def _check_unicode(body: object) -> None:
+    """A `\\ud800` escape parses to a lone surrogate, which no tokenizer (and no UTF-8
+    response) can take: a 400 here, not an error deep in the request."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError("The request body contains a lone UTF-16 surrogate "
+                                          "(an unpaired \\ud800-\\udfff escape), which is "
+                                          "not valid Unicode text.") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _body(body: object) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
 
@@ -28,7 +29,33 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
     app.config.RESPONSE_TIMEOUT = 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
+    # By the time Sanic stops, ServerState.drain has ended every reply: its own grace only
+    # closes idle connections.
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 5.0
     app.ctx.state = state
+
+    async def shut_down():
+        await state.drain()
+        app.stop(terminate=False)
+
+    @app.after_server_start
+    async def take_signals(app):
+        """SIGTERM or SIGINT drains first (the socket stays open: new requests get a 503),
+        then stops; a second one stops at once. Sanic's own handlers would stop first."""
+        loop = asyncio.get_running_loop()
+
+        def on_signal():
+            if state.draining:
+                app.stop(terminate=False)
+            else:
+                loop.create_task(shut_down())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+
+    @app.after_server_stop
+    async def stop_engine(app):
+        if state.engine is not None:
+            state.engine.shutdown()
 
     app.add_route(chat_completions, "/v1/chat/completions", methods=["POST"])
     app.add_route(completions, "/v1/completions", methods=["POST"])
@@ -50,8 +77,10 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     @app.get("/health")
     async def health(request):
         loaded = state.loaded
-        return json({"status": "ok", "model": loaded.name if loaded else None,
-                     "in_flight": state.in_flight})
+        free, total = state.engine.kv_blocks() if state.engine else (0, 0)
+        return json({"status": "draining" if state.draining else "ok",
+                     "model": loaded.name if loaded else None, "in_flight": state.in_flight,
+                     "kv_free_blocks": free, "kv_total_blocks": total})
 
     @app.post("/api/load")
     async def load(request):
@@ -106,5 +135,5 @@ def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
     log.info("[kiln]  Listening on %s", url)
     app.run(host=host, port=port, single_process=True, access_log=False,
             motd=False)
-    state.engine.shutdown()
+    log.info("[kiln]  Stopped")
     return 0

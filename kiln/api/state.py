@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
 from kiln.runtime.engine.config import EngineConfig
@@ -18,6 +17,8 @@ from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.settings import SamplingSettings
 from kiln.runtime.store.catalogue import lookup
+from kiln.runtime.store.gguf_file import ModelLoadError
+from kiln.runtime.store.pull import local_file
 
 log = logging.getLogger("kiln")
 
@@ -26,6 +27,7 @@ log = logging.getLogger("kiln")
 class ServeOptions:
     engine: EngineOptions = EngineOptions()
     per_request_sampling: bool = False  # the sticky settings are the API's business
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may still take
 
 
 class ServerState:
@@ -36,6 +38,7 @@ class ServerState:
         self.settings: SamplingSettings | None = None
         self.config: EngineConfig | None = None
         self.in_flight = 0
+        self.draining = False  # SIGTERM received: new requests get a 503
         self._idle = asyncio.Event()
         self._idle.set()
         self._switch = asyncio.Lock()
@@ -73,13 +76,39 @@ class ServerState:
         """
         if not reload and self.is_loaded(name) and not self._switch.locked():
             return
-        if name and lookup(name) is None and not Path(name).expanduser().is_file():
+        if name and lookup(name) is None and local_file(name) is None:
             raise ModelNotFoundError(name)
         async with self._switch:
             if not reload and self.is_loaded(name):
                 return
             await self._idle.wait()
-            await asyncio.get_running_loop().run_in_executor(None, self.load, name)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.load, name)
+            except ModelLoadError:
+                if lookup(name) is not None:
+                    raise
+                # A local file that is not a GGUF kiln reads: no such model, for the client.
+                log.warning("[kiln]  Request for model %r: not a loadable GGUF", name)
+                raise ModelNotFoundError(name) from None
+
+    async def drain(self) -> None:
+        """On SIGTERM: take no new request, give the running ones up to --shutdown-timeout
+        to finish, then end each that is left (finish_reason "abort", its stream closed
+        as any other) and wait for their last bytes to go out."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        timeout = self.options.shutdown_timeout
+        log.info("[kiln]  Shutting down: %d requests in flight, waiting up to %.0f s for them",
+                 self.in_flight, timeout)
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight and self.engine is not None:
+            log.info("[kiln]  Ending the %d requests still running", self.in_flight)
+            self.engine.abort_all(reason="shutdown")
+            deadline = loop.time() + 5.0
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
 
     def begin(self) -> None:
         self.in_flight += 1

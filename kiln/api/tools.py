@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kiln.api.protocol import ChatCompletionRequest, ToolCall, ToolChoice, ToolSpec
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.sampling.grammar import MAX_JSON_WHITESPACE, GrammarSpec
+from kiln.runtime.sampling.grammar import MAX_TOOL_CALL_WHITESPACE, GrammarSpec
 
 # --- model families ------------------------------------------------------------------------
 
@@ -203,7 +203,7 @@ def tool_call_grammar(tools: list[ToolSpec], fmt: ToolCallFormat,
         return {"type": "tag", "begin": begin + fmt.call_head(t.name), "end": "}" + end,
                 "content": {"type": "json_schema",
                             "json_schema": t.parameters or {"type": "object"},
-                            "max_whitespace_cnt": MAX_JSON_WHITESPACE}}
+                            "max_whitespace_cnt": MAX_TOOL_CALL_WHITESPACE}}
 
     one = max_calls == 1
     if fmt.calls_per_block:

@@ -41,6 +41,20 @@ class ContextLengthError(KilnError):
         self.ctx_len = ctx_len
 
 
+class KVCacheCapacityError(InvalidRequestError):
+    """A request that the whole KV cache could not hold, alone: refused before any prefill
+    (it would otherwise wait, or be preempted, for ever)."""
+
+    def __init__(self, *, num_prompt_tokens: int, max_tokens: int | None,
+                 kv_cache_tokens: int) -> None:
+        need = f"{num_prompt_tokens} prompt tokens" + (
+            f" plus max_tokens {max_tokens}" if max_tokens is not None else " and a reply")
+        super().__init__(f"This request needs room for {need} in the KV cache, which holds "
+                         f"{kv_cache_tokens} tokens on this server (--kv-cache-tokens).",
+                         param="max_tokens" if max_tokens is not None else None,
+                         code="context_length_exceeded")
+
+
 class ModelNotFoundError(KilnError):
     """No such model tag or GGUF path."""
 

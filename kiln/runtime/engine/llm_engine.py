@@ -24,7 +24,7 @@ from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.model_runner import ModelRunner
 from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
-from kiln.runtime.errors import ContextLengthError
+from kiln.runtime.errors import ContextLengthError, KVCacheCapacityError
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
@@ -75,6 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, config, self.kv)
         self.sampler = Sampler(self.runner.device, config.use_triton)
         self.requests: dict[str, Request] = {}
+        self.stalled = False  # the last step scheduled nothing
         self.reply_tails = ReplyTails(config.block_size)
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
@@ -99,12 +100,22 @@ class LLMEngine:
             log.info("[kiln]  Captured decode CUDA graphs for batch sizes %s in %.1f s",
                      ",".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - t1)
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.config.num_blocks * self.config.block_size
+
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """The context first (the contract's error), then the KV pool: a request must fit
+        in the whole pool alone, or it could never run."""
         ctx = self.config.ctx_len
         if num_prompt_tokens >= ctx or (max_tokens is not None
                                         and num_prompt_tokens + max_tokens > ctx):
             raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
                                      max_tokens=max_tokens, ctx_len=ctx)
+        if num_prompt_tokens + (max_tokens or 1) > self.kv_cache_tokens:
+            raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens,
+                                       max_tokens=max_tokens,
+                                       kv_cache_tokens=self.kv_cache_tokens)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, max_tokens: int | None = None,
@@ -112,11 +123,12 @@ class LLMEngine:
                      num_top_logprobs: int | None = None, ignore_eos: bool = False,
                      grammar: xgr.CompiledGrammar | None = None,
                      grammar_prefix: str = "") -> Request:
-        """Validate against the context; the prompt is never truncated."""
+        """Validate against the context and the KV pool; the prompt is never truncated. A
+        reply without max_tokens ends ("length") where the context or the pool is full."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.check_context(len(prompt_token_ids), max_tokens)
-        room = self.config.ctx_len - len(prompt_token_ids)
+        room = min(self.config.ctx_len, self.kv_cache_tokens) - len(prompt_token_ids)
         state = GrammarState(grammar, grammar_prefix) if grammar is not None else None
         return Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
@@ -142,6 +154,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # Nothing schedulable although requests wait: only an add or abort can change that.
+        self.stalled = not sched.scheduled
         if not sched.scheduled:
             return []
         for req, _ in sched.scheduled:
@@ -206,7 +220,10 @@ class RequestStream:
         self.finished = False
 
     def put(self, output: RequestOutput) -> None:  # called from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        except RuntimeError:  # the server's loop is closed: no one is reading any more
+            pass
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -240,6 +257,12 @@ class AsyncEngine:
         """Raises ContextLengthError if the prompt (with max_tokens) cannot fit."""
         self.engine.check_context(num_prompt_tokens, max_tokens)
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks; free counts cached blocks no request holds (a read of
+        two ints, fine from any thread)."""
+        pool = self.engine.kv.block_pool
+        return pool.get_num_free_blocks(), self.engine.config.num_blocks
+
     def compile_grammar(self, spec):
         """The compiled grammar of a GrammarSpec (cached); blocking, so call it off the loop."""
         return self.engine.grammars.get(spec)
@@ -255,6 +278,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str, reason: str = "client gone") -> None:
         self.inbox.put(("abort", (request_id, reason)))
+
+    def abort_all(self, reason: str) -> None:
+        for request_id in list(self.streams):
+            self.abort(request_id, reason)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -279,7 +306,9 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._drain_inbox(block=not self.engine.has_unfinished())
+            # Wait for the inbox when there is nothing to step, or nothing the scheduler
+            # can place: stepping again would spin on the same answer.
+            self._drain_inbox(block=not self.engine.has_unfinished() or self.engine.stalled)
             if not self.engine.has_unfinished():
                 continue
             try:

@@ -35,6 +35,9 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag"
 # Whitespace the JSON grammars allow between tokens, in a row: enough for pretty-printed JSON a
 # few levels deep, not enough for a small model to loop on newlines until max_tokens.
 MAX_JSON_WHITESPACE = 24
+# In a tool call's arguments: one character (a space after ':' and ','). Calls are read by
+# programs, and under heavy penalties 24 a gap was still enough to fill max_tokens.
+MAX_TOOL_CALL_WHITESPACE = 1
 
 
 @dataclass(frozen=True, slots=True)

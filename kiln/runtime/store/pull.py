@@ -27,16 +27,26 @@ def model_path(entry: CatalogueEntry) -> Path:
     return kiln_home() / "models" / entry.filename
 
 
+def local_file(model: str) -> Path | None:
+    """`model` as an existing local file, or None. A name no file system could hold (a part
+    over 255 bytes, a NUL, a `~user` with no home) names no file either: never an error."""
+    try:
+        path = Path(model).expanduser()
+        return path if path.is_file() else None
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
 def resolve_model(model: str) -> tuple[Path, CatalogueEntry | None]:
     """A catalogue tag (pulled on first use) or a path to a local .gguf file."""
     entry = lookup(model)
     if entry is not None:
         return ensure_model(model), entry
-    path = Path(model).expanduser()
-    if path.suffix == ".gguf" or path.exists():
-        if not path.is_file():
-            raise PullError(f"{model}: no such file")
+    path = local_file(model)
+    if path is not None:
         return path, None
+    if model.endswith(".gguf"):
+        raise PullError(f"{model}: no such file")
     raise PullError(f"unknown model '{model}' (not in the catalogue and not a .gguf path)")
 
 
