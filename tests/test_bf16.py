@@ -98,3 +98,16 @@ def test_refusals():
     assert "CUDA only" in dtype_refusal("float16", cuda=False)
     assert (dtype_refusal("bfloat16", cuda=False) is None) == bf16_supported()
     assert resolve_dtype("auto", cuda=False) == "float32"
+
+
+def test_loading_a_model_leaves_the_serving_thread_count_alone():
+    """A model switch builds the new backend while the old engine still steps: torch's
+    process-wide thread count is the stepping runner's to set, on its first step."""
+    import torch
+
+    from kiln.runtime.backends.cpu.backend import CpuBackend
+
+    before = torch.get_num_threads()
+    backend = CpuBackend(bf16_products=True, threads=before + 3)
+    assert torch.get_num_threads() == before
+    assert backend.torch_threads == before + 3

@@ -154,3 +154,17 @@ def test_a_step_that_can_schedule_nothing_marks_the_engine_stalled(make_engine, 
     monkeypatch.undo()
     engine.step()
     assert not engine.stalled
+
+
+def test_a_stop_string_ends_the_request_in_the_step_that_produced_it(smollm2, make_engine):
+    """Greedy, the model counts on: with stop " 17" the last output token is the one that
+    completes " 17", and the request's blocks are free right after that step."""
+    engine = make_engine(kv_cache_tokens=2048)
+    prompt = smollm2.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                      add_special_tokens=False)
+    req = engine.make_request("s", prompt, GREEDY, max_tokens=40, stop=[" 17"])
+    out = run_to_completion(engine, [req])["s"]
+    text = smollm2.tokenizer.decode(out)
+    assert " 17" in text and " 17" not in smollm2.tokenizer.decode(out[:-1]), text
+    assert req.finish_reason == "stop"
+    assert _pool_is_clean(engine)

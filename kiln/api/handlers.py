@@ -46,8 +46,9 @@ class Generation:
                         and not self.state.draining:  # shutdown ends a reply as "abort"
                     raise InternalServerError(self.request_id, "The engine aborted the request.")
                 yield delta
-                if self.assembler.stopped:  # a stop string: the engine need not go on
-                    self.state.engine.abort(self.request_id, reason="stop string")
+                if self.assembler.stopped:  # the engine has ended it too, in the same step
+                    if not out.finished:  # (a stop the engine's reading missed)
+                        self.state.engine.abort(self.request_id, reason="stop string")
                     return
         finally:
             self.state.end()
@@ -75,7 +76,7 @@ def _submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: in
     sampling = state.settings.admit(req.sampling)
     request_id = new_id(prefix)
     stream = engine.add_request(request_id, ids, sampling, max_tokens=req.max_tokens,
-                                num_top_logprobs=num_top, **engine_kw)
+                                num_top_logprobs=num_top, stop=list(req.stop), **engine_kw)
     return Generation(request_id, stream, assembler, state)
 
 

@@ -46,6 +46,7 @@ class DenseBackend:
     def __init__(self, device="cpu", dtype: torch.dtype = torch.float32,
                  use_triton: bool = False):
         self.device, self.dtype, self.use_triton = torch.device(device), dtype, use_triton
+        self.torch_threads = None  # torch's own choice
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()

@@ -30,6 +30,7 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.sampler import Sampler, fetch_samples, to_token_logprobs
+from kiln.runtime.text.stop_strings import StopStringChecker
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -122,7 +123,7 @@ class LLMEngine:
                      stop_token_ids: frozenset[int] | None = None,
                      num_top_logprobs: int | None = None, ignore_eos: bool = False,
                      grammar: xgr.CompiledGrammar | None = None,
-                     grammar_prefix: str = "") -> Request:
+                     grammar_prefix: str = "", stop: list[str] | None = None) -> Request:
         """Validate against the context and the KV pool; the prompt is never truncated. A
         reply without max_tokens ends ("length") where the context or the pool is full."""
         if not prompt_token_ids:
@@ -136,7 +137,8 @@ class LLMEngine:
             stop_token_ids=stop_token_ids if stop_token_ids is not None
             else self.loaded.tokenizer.stop_token_ids,
             num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos and state is None,
-            grammar=state)
+            grammar=state, stop_strings=StopStringChecker(self.loaded.tokenizer, stop)
+            if any(stop or ()) else None)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -175,6 +177,7 @@ class LLMEngine:
         outputs = []
         for req, token, lp in zip(reqs, out.token_ids, logprobs):
             req.append_output_token(token)
+            stopped = req.stop_strings is not None and req.stop_strings.feed(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = None
@@ -186,6 +189,8 @@ class LLMEngine:
             elif token in req.stop_token_ids and not req.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif req.grammar is not None and req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
+            elif stopped:  # a stop string: ends in this step, not after the API's abort
                 status = RequestStatus.FINISHED_STOPPED
             elif req.num_output_tokens >= req.max_tokens \
                     or req.num_tokens >= self.config.ctx_len:

@@ -41,6 +41,7 @@ class ModelRunner:
                                            mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
         self.staging = StagingBuffer(self.device)
+        self._threads_set = False
         self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.ctx_len,
                                    config.block_size, self.device) if config.cuda_graphs else None
 
@@ -94,6 +95,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None."""
+        if not self._threads_set:  # from the thread that steps: see CpuBackend.torch_threads
+            if self.model.backend.torch_threads:
+                torch.set_num_threads(self.model.backend.torch_threads)
+            self._threads_set = True
         if inp.graph_bucket is not None:  # a decode: every row samples, in order
             logits = self.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
             return logits[:len(inp.sampling_requests)]

@@ -11,6 +11,7 @@ from kiln.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.runtime.sampling.grammar import GrammarState
+    from kiln.runtime.text.stop_strings import StopStringChecker
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Request:
     ignore_eos: bool = False
     window_prefix: list[int] = field(default_factory=list)  # carried from a cached reply
     grammar: GrammarState | None = None  # structured output; stepped by the engine thread
+    stop_strings: StopStringChecker | None = None  # fed each token by the engine thread
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

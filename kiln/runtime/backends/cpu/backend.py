@@ -94,8 +94,10 @@ class CpuBackend:
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products = bf16_products
         # The kernels bring their own pool; torch's ops stay on the caller's thread, except
-        # oneDNN's bf16 products, which run on torch's own threads.
-        torch.set_num_threads(self.threads if bf16_products else 1)
+        # oneDNN's bf16 products, which run on torch's own threads. Process-wide, so it is
+        # set by the thread that steps this model (ModelRunner), not here: a model loading
+        # for a switch must not retune the one still serving.
+        self.torch_threads = self.threads if bf16_products else 1
 
     # -- weights ---------------------------------------------------------------------------
 
