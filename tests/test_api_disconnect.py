@@ -52,7 +52,9 @@ def assert_stopped_early(server, mark: int, prefix: str) -> None:
     assert [i for i, _, _ in chunks] == list(range(1, len(chunks) + 1))
     assert len(chunks) < total, log  # stopped before the last chunk
     assert log.count("Aborted request") == 1 and aborted.group(1) in log
-    assert wait_idle(server) == {"status": "ok", "model": MODEL, "in_flight": 0}
+    health = wait_idle(server)
+    assert (health["status"], health["model"], health["in_flight"]) == ("ok", MODEL, 0)
+    assert health["kv_free_blocks"] == health["kv_total_blocks"]  # nothing leaked
 
 
 def assert_still_serving(server) -> None:
