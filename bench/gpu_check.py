@@ -123,8 +123,9 @@ def prompt_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
         block_tables=torch.arange(blocks, **i32)[None], max_query_len=T, max_seq_len=T,
         slot_mapping=torch.arange(T, dtype=torch.int64, device=dev))
     ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+    positions = torch.arange(T, dtype=torch.int64, device=dev)
     with torch.inference_mode():
-        hidden = model.forward(ids, ids.clone(), meta, caches)
+        hidden = model.forward(ids, positions, meta, caches)
         return model.compute_logits(hidden).float().cpu()
 
 
@@ -147,14 +148,15 @@ def check_logits(path: Path, device: str) -> None:
 def paged_batch(num_seqs, context, query_len, heads, kv_heads, head_dim, dtype, device,
                 seed=0):
     """Random K/V for num_seqs sequences of context + query_len tokens in a shuffled cache."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where they live: GBs
     seq_len, bs = context + query_len, 16
     blocks = -(-seq_len // bs)
-    perm = torch.randperm(num_seqs * blocks, generator=g).to(device)
+    perm = torch.randperm(num_seqs * blocks, generator=g, device=device)
     shape = (num_seqs * blocks, bs, kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=g).to(device, dtype)
-    value_cache = torch.randn(shape, generator=g).to(device, dtype)
-    query = torch.randn((num_seqs * query_len, heads, head_dim), generator=g).to(device, dtype)
+    key_cache = torch.randn(shape, generator=g, device=device).to(dtype)
+    value_cache = torch.randn(shape, generator=g, device=device).to(dtype)
+    query = torch.randn((num_seqs * query_len, heads, head_dim), generator=g,
+                        device=device).to(dtype)
     i32 = dict(dtype=torch.int32, device=device)
     return (query, key_cache, value_cache, perm.view(num_seqs, blocks).to(torch.int32),
             torch.full((num_seqs,), seq_len, **i32),
@@ -281,9 +283,9 @@ def time_engine(path: Path, device: str, label: str, batches) -> None:
     compiled_after_load = []
     for graphs in (True, False):  # off CUDA the graphs' padded buckets replay eagerly
         config = EngineConfig(ctx_len=1024 if DRY else 4096, prefill_chunk_len=2048,
-                              kv_cache_tokens=
-                              max(batches) * 256 + 4096, max_num_seqs=max(batches),
-                              device=device, use_triton=True, cuda_graphs=graphs)
+                              kv_cache_tokens=max(batches) * 256 + 4096,
+                              max_num_seqs=max(batches), device=device, use_triton=True,
+                              cuda_graphs=graphs)
         engine = LLMEngine(loaded, config)
         triton.knobs.runtime.jit_post_compile_hook = \
             lambda *a, **k: compiled_after_load.append(1)
@@ -316,6 +318,7 @@ def time_engine(path: Path, device: str, label: str, batches) -> None:
             for rid in list(engine.requests):
                 engine.abort(rid)
         triton.knobs.runtime.jit_post_compile_hook = None
+        del engine  # its KV cache, before the next one is allocated
     if DRY:
         line(f"kernels compiled after load ({label})", "n/a", "", "(the interpreter compiles "
              "nothing: tests/test_aot_compile.py checks the variants)")
