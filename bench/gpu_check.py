@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -59,6 +60,25 @@ T0 = time.perf_counter()
 def line(name: str, value, unit: str = "", note: str = "") -> None:
     value = f"{value:.4g}" if isinstance(value, float) else str(value)
     print(f"{name:52s} {value:>10s} {unit:8s} {note}".rstrip(), flush=True)
+
+
+FAILED: list[str] = []
+
+
+def section(name: str, fn, *args) -> None:
+    """Run one section; a failure is printed (its traceback's last frames) and the check
+    goes on, so one run on the lent GPU shows every failure, not only the first."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported, counted, and the exit code says so
+        FAILED.append(name)
+        tb = traceback.format_exc().strip().splitlines()
+        line(f"{name}: FAILED", type(exc).__name__, "", str(exc).splitlines()[0][:200]
+             if str(exc) else "")
+        print("\n".join("    " + t for t in tb[-12:]), flush=True)
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def write_gguf(path: Path, shape, seed: int = 0) -> Path:
@@ -277,18 +297,27 @@ def time_kernels(device: str) -> None:
          f"{sort / fused:.2f}x {note}")
 
 
-def time_engine(path: Path, device: str, label: str, batches) -> None:
+_LOADED: dict[tuple[Path, str], LoadedModel] = {}
+
+
+def time_engine(path: Path, device: str, label: str, batches, graphs: bool) -> None:
+    """Engine steps without HTTP: the prefill of B 128-token prompts, then decode steps."""
     dt = torch.bfloat16 if device == "cuda" else torch.float32
-    loaded = build(path, device, dt)
+    if (path, device) not in _LOADED:
+        _LOADED.clear()
+        _LOADED[path, device] = build(path, device, dt)
+    loaded = _LOADED[path, device]
     compiled_after_load = []
-    for graphs in (True, False):  # off CUDA the graphs' padded buckets replay eagerly
-        config = EngineConfig(ctx_len=1024 if DRY else 4096, prefill_chunk_len=2048,
-                              kv_cache_tokens=max(batches) * 256 + 4096,
-                              max_num_seqs=max(batches), device=device, use_triton=True,
-                              cuda_graphs=graphs)
-        engine = LLMEngine(loaded, config)
-        triton.knobs.runtime.jit_post_compile_hook = \
-            lambda *a, **k: compiled_after_load.append(1)
+    mode = "graphs" if graphs else "eager"
+    config = EngineConfig(ctx_len=1024 if DRY else 4096, prefill_chunk_len=2048,
+                          kv_cache_tokens=max(batches) * 256 + 4096,
+                          max_num_seqs=max(batches), device=device, use_triton=True,
+                          cuda_graphs=graphs)  # off CUDA the padded buckets replay eagerly
+    t0 = time.perf_counter()
+    engine = LLMEngine(loaded, config)
+    line(f"engine load {label} {mode} (warm-up, capture)", time.perf_counter() - t0, "s")
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled_after_load.append(1)
+    try:
         rng = np.random.default_rng(2)
         for B in batches:
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
@@ -296,8 +325,10 @@ def time_engine(path: Path, device: str, label: str, batches) -> None:
                 engine.add_request(engine.make_request(
                     f"{B}-{i}", rng.integers(0, loaded.config.vocab_size, 128).tolist(),
                     params, max_tokens=800, ignore_eos=True, stop_token_ids=frozenset()))
+            t0 = time.perf_counter()
             while any(r.num_output_tokens == 0 for r in engine.requests.values()):
                 engine.step()  # prefill
+            prefill_s = time.perf_counter() - t0
             steps = 2 if DRY else 48
             for _ in range(2):
                 engine.step()
@@ -313,17 +344,19 @@ def time_engine(path: Path, device: str, label: str, batches) -> None:
             for _ in range(steps):
                 engine.step()
             ms = (time.perf_counter() - t0) / steps * 1000
-            line(f"decode step {label} batch {B} {'graphs' if graphs else 'eager'}", ms, "ms",
-                 f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}")
+            line(f"decode step {label} batch {B} {mode}", ms, "ms",
+                 f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
+                 f"{B} x 128 in {prefill_s * 1000:.0f} ms")
             for rid in list(engine.requests):
                 engine.abort(rid)
+    finally:
         triton.knobs.runtime.jit_post_compile_hook = None
         del engine  # its KV cache, before the next one is allocated
     if DRY:
-        line(f"kernels compiled after load ({label})", "n/a", "", "(the interpreter compiles "
-             "nothing: tests/test_aot_compile.py checks the variants)")
+        line(f"kernels compiled after load ({label} {mode})", "n/a", "", "(the interpreter "
+             "compiles nothing: tests/test_aot_compile.py checks the variants)")
     else:
-        line(f"kernels compiled after load ({label})", len(compiled_after_load), "",
+        line(f"kernels compiled after load ({label} {mode})", len(compiled_after_load), "",
              "ok" if not compiled_after_load else "FAIL: a step met a variant not warmed")
 
 
@@ -347,16 +380,21 @@ def main() -> int:
             t0 = time.perf_counter()
             paths[name] = write_gguf(Path(tmp) / f"{name}.gguf", shape)
             line(f"wrote random-weight {name}.gguf", time.perf_counter() - t0, "s")
-        check_logits(paths["smollm2-135m"], device)
-        check_attention(device)
-        check_sampler(device)
-        time_kernels(device)
+        section("logits", check_logits, paths["smollm2-135m"], device)
+        section("attention", check_attention, device)
+        section("sampler", check_sampler, device)
+        section("kernel timings", time_kernels, device)
         batches = (1, 16, 64, 256) if not DRY else (1, 3)
-        time_engine(paths["smollm2-135m"], device, "smollm2-135m", batches)
+        for graphs in (True, False):
+            section(f"engine smollm2-135m graphs={graphs}", time_engine,
+                    paths["smollm2-135m"], device, "smollm2-135m", batches, graphs)
         if "llama-1b" in paths:
-            time_engine(paths["llama-1b"], device, "llama-1b", (1, 64))
-    line("total", time.perf_counter() - T0, "s")
-    return 0
+            for graphs in (True, False):
+                section(f"engine llama-1b graphs={graphs}", time_engine, paths["llama-1b"],
+                        device, "llama-1b", (1, 64), graphs)
+    line("total", time.perf_counter() - T0, "s", f"failed sections: {', '.join(FAILED)}"
+         if FAILED else "every section ran")
+    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (about 5 minutes on one H200; every figure on one line).
+# The one prepared GPU check (about 5 minutes on one H200; every figure on one line): the
+# kernels' CUDA tests, then bench/gpu_check.py, whose sections each report a failure and go on.
 # On the GPU machine, from the repository root, with bench/wheels carried (64 MiB at most;
 # bench/fetch_wheels.sh fills it):
 #     bash bench/gpu_check.sh
@@ -30,5 +31,13 @@ if [ -n "$missing" ]; then
         --find-links bench/wheels --target "$DEPS" $missing || exit 1
     export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# 560 s: inside the 600 s a device command may run, the whole check included.
-timeout 560 "$PY" bench/gpu_check.py "$@"
+status=0
+if [ "${1:-}" != "--dry-run" ]; then
+    # The kernels' own tests, at their CUDA parameters (the CPU runs them in the interpreter).
+    timeout "${KERNEL_TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -k cuda \
+        tests/test_attention_kernel.py tests/test_kv_cache_kernel.py \
+        tests/test_sampling_kernel.py 2>&1 | tail -n 25 || status=1
+fi
+# The check itself inside what is left of the 600 s a device command may run.
+timeout "${CHECK_S:-420}" "$PY" bench/gpu_check.py "$@" || status=1
+exit $status
