@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +66,23 @@ class ReplyTails:
                     and tuple(prompt[:n]) == seq:
                 best, best_len = reply, n
         return best
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters (for /metrics and /health)."""
+
+    num_running: int
+    num_waiting: int
+    kv_total_blocks: int
+    kv_free_blocks: int  # cached blocks no request holds count as free
+    prefix_queried_tokens: int  # counters since start
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.kv_total_blocks - self.kv_free_blocks
 
 
 class LLMEngine:
@@ -214,6 +232,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache()
 
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            kv_total_blocks=self.config.num_blocks,
+            kv_free_blocks=self.kv.block_pool.get_num_free_blocks(),
+            prefix_queried_tokens=s.prefix_queried_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens, num_preemptions=s.num_preemptions)
+
 
 class RequestStream:
     """One request's outputs, as an async iterator; leaving it early aborts the request."""
@@ -267,6 +294,11 @@ class AsyncEngine:
         two ints, fine from any thread)."""
         pool = self.engine.kv.block_pool
         return pool.get_num_free_blocks(), self.engine.config.num_blocks
+
+    def stats(self) -> EngineStats:
+        """Gauges and counters; reads of ints the engine thread writes, fine from any
+        thread (a snapshot may be a step old)."""
+        return self.engine.stats()
 
     def compile_grammar(self, spec):
         """The compiled grammar of a GrammarSpec (cached); blocking, so call it off the loop."""

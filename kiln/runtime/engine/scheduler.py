@@ -45,6 +45,11 @@ class Scheduler:
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Counters since start, for /metrics: prompt tokens looked up in the prefix cache
+        # at first admission, how many of them hit, and preemptions.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,6 +95,8 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                self.prefix_queried_tokens += req.num_prompt_tokens
+                self.prefix_hit_tokens += num_cached
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -115,6 +122,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_prefill_chunks = 0
         self.waiting.appendleft(req)
+        self.num_preemptions += 1
         log.info("[kiln]  Preempted request %s (out of KV blocks)", req.request_id)
 
     def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:

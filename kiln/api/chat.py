@@ -1,0 +1,178 @@
+"""The chat pipeline every chat-shaped route shares (/v1/chat/completions, /v1/responses,
+Ollama's /api/chat): a checked ChatCompletionRequest -> a rendered, tokenized prompt with its
+grammar (`prepare_chat`) -> an engine request (`submit`) -> deltas, or one collected result.
+
+A route only translates its own request shape into a ChatCompletionRequest and the deltas
+or the ChatResult into its own response shape; the sampling contract, the sticky settings,
+the tool-call grammar and every 400 are decided here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kiln.api.continuation import continuation_prompt
+from kiln.api.errors import InternalServerError, ServiceUnavailableError
+from kiln.api.generation import Delta, OutputAssembler
+from kiln.api.protocol import ChatCompletionRequest
+from kiln.api.reasoning import ReasoningStart
+from kiln.api.responses import new_id
+from kiln.api.state import ServerState
+from kiln.api.tools import (
+    ToolPlan,
+    plan_tools,
+    template_handles_tools,
+    tool_format_for,
+    tool_messages,
+)
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.text.chat_template import TemplateError
+
+
+@dataclass
+class Generation:
+    """One admitted request: its engine stream and the assembler turning it into text."""
+
+    request_id: str
+    stream: object  # runtime.engine.RequestStream
+    assembler: OutputAssembler
+    state: ServerState
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        self.state.begin()
+        try:
+            async for out in self.stream:
+                delta = self.assembler.add(out, time.monotonic())
+                if out.finish_reason == "abort" and not self.assembler.stopped \
+                        and not self.state.draining:  # shutdown ends a reply as "abort"
+                    raise InternalServerError(self.request_id, "The engine aborted the request.")
+                yield delta
+                if self.assembler.stopped:  # the engine has ended it too, in the same step
+                    if not out.finished:  # (a stop the engine's reading missed)
+                        self.state.engine.abort(self.request_id, reason="stop string")
+                    return
+        finally:
+            self.state.end()
+
+
+def submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int | None,
+           assembler: OutputAssembler, request_id: str | None = None,
+           **engine_kw) -> Generation:
+    """Admit one engine request: the context check, then the sticky settings' snapshot."""
+    if state.draining:
+        raise ServiceUnavailableError()
+    engine = state.engine
+    engine.check_context(len(ids), req.max_tokens)  # before settings change
+    sampling = state.settings.admit(req.sampling)
+    request_id = request_id or new_id(prefix)
+    stream = engine.add_request(request_id, ids, sampling, max_tokens=req.max_tokens,
+                                num_top_logprobs=num_top, stop=list(req.stop), **engine_kw)
+    return Generation(request_id, stream, assembler, state)
+
+
+def think_kwargs(state: ServerState, sent) -> dict:
+    """The chat template's thinking switches: the request's, else the sticky ones."""
+    current = state.settings.current
+    think = sent.think if sent.think is not None else current.think
+    effort = sent.reasoning_effort if sent.reasoning_effort is not None \
+        else current.reasoning_effort
+    kw = {}
+    if think is not None:
+        kw["enable_thinking"] = think
+    if effort is not None:
+        kw["reasoning_effort"] = effort
+    return kw
+
+
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: what every choice of it shares."""
+
+    req: ChatCompletionRequest
+    prompt: str
+    ids: list[int]
+    plan: ToolPlan
+    grammar: object | None  # xgrammar.CompiledGrammar
+    grammar_prefix: str
+    reasoning_start: ReasoningStart
+
+    def assembler(self, state: ServerState) -> OutputAssembler:
+        """A fresh assembler (one per choice)."""
+        req = self.req
+        return OutputAssembler(
+            state.loaded.tokenizer, stop=list(req.stop), reasoning_tags=state.loaded.reasoning_tags,
+            reasoning_start=self.reasoning_start, hold_trailing_space=req.continue_final_message,
+            logprobs_style="chat" if req.logprobs else None, tool_parser=self.plan.parser())
+
+    def submit(self, state: ServerState, prefix: str = "chatcmpl") -> Generation:
+        req = self.req
+        return submit(state, prefix, self.ids, req, assembler=self.assembler(state),
+                      num_top=req.top_logprobs if req.logprobs else None,
+                      grammar=self.grammar, grammar_prefix=self.grammar_prefix)
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> ChatJob:
+    """Load the model the request names, render its messages with the model's template (tools
+    in the prompt, or described in the system message when the template ignores them),
+    tokenize, and compile the grammar of a forced tool call or response_format."""
+    await state.ensure_model(req.model)
+    loaded, engine = state.loaded, state.engine
+    plan = plan_tools(req, tool_format_for(loaded.name))
+    messages = [m.to_template() for m in req.messages]
+    if template_handles_tools(loaded.chat_template.template_str):
+        tools = [t.to_template() for t in plan.prompt_tools] or None
+    else:  # the template ignores tools: describe them in the system message ourselves
+        messages, tools = tool_messages(messages, plan.prompt_tools, plan.format), None
+    kw = think_kwargs(state, req.sampling)
+    try:
+        if req.continue_final_message:
+            rendered = loaded.chat_template.render(messages, add_generation_prompt=False,
+                                                   tools=tools, **kw)
+            prompt = continuation_prompt(rendered, req.messages[-1].content or "")
+        else:
+            prompt = loaded.chat_template.render(messages, add_generation_prompt=True,
+                                                 tools=tools, **kw)
+    except TemplateError as exc:
+        raise InvalidRequestError(f"The chat template rejected the messages: {exc}",
+                                  param="messages") from exc
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    grammar = None
+    if plan.grammar is not None:  # compiled off the event loop; a bad schema is a 400 here
+        grammar = await asyncio.get_running_loop().run_in_executor(
+            None, engine.compile_grammar, plan.grammar)
+        if state.engine is not engine:
+            raise InternalServerError(new_id("req"), "The model was switched meanwhile.")
+    tags = loaded.reasoning_tags
+    start = ReasoningStart.for_prompt(prompt, tags, continuing=req.continue_final_message,
+                                      reasons_first=bool(kw.get("enable_thinking"))) \
+        if tags else ReasoningStart.OUTSIDE
+    prefix = (req.messages[-1].content or "") if req.continue_final_message and grammar else ""
+    return ChatJob(req=req, prompt=prompt, ids=ids, plan=plan, grammar=grammar,
+                   grammar_prefix=prefix, reasoning_start=start)
+
+
+@dataclass
+class ChatResult:
+    """A whole reply, collected from its deltas."""
+
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+    tool_calls: list = field(default_factory=list)  # api.protocol.ToolCall
+    finish_reason: str | None = None
+
+
+async def collect(gen: Generation) -> ChatResult:
+    content, reasoning, result = [], [], ChatResult()
+    async for d in gen.deltas():
+        content.append(d.content)
+        reasoning.append(d.reasoning)
+        result.logprobs += d.logprobs
+        result.finish_reason = d.finish_reason or result.finish_reason
+    result.content, result.reasoning = "".join(content), "".join(reasoning)
+    parser = gen.assembler.tool_parser
+    result.tool_calls = parser.tool_calls if parser else []
+    return result
