@@ -2,6 +2,7 @@
 against a naive sort-based oracle written here. On CPU the kernel runs in the interpreter, so
 shapes stay small."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -324,3 +325,62 @@ def test_reference_matches_sort_based_oracle(V, data_seed, temperature, top_k, t
 def test_unpack_bitmask_round_trips():
     allowed = torch.rand(3, 77) < 0.5
     assert torch.equal(unpack_bitmask(pack_bitmask(allowed), 77), allowed)
+
+
+def with_bias(md: SamplingMetadata, biases: list[dict[int, float]], device) -> SamplingMetadata:
+    """md plus a logit_bias per row ({token: bias}; -inf bans), -1 padded to one width."""
+    width = max(len(b) for b in biases)
+    ids = torch.full((len(biases), width), -1, dtype=torch.int64)
+    values = torch.zeros((len(biases), width), dtype=torch.float32)
+    for i, b in enumerate(biases):
+        ids[i, :len(b)] = torch.tensor(list(b), dtype=torch.int64)
+        values[i, :len(b)] = torch.tensor(list(b.values()), dtype=torch.float32)
+    return dataclasses.replace(md, bias_token_ids=ids.to(device), bias_values=values.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_is_added_after_penalties_and_before_the_mask(device):
+    V = 64
+    logits = torch.linspace(-2, 2, V).repeat(3, 1)
+    logits[:, 5] = 2.0
+    window = torch.tensor([[5, 5, -1, -1]] * 3)
+    allowed = torch.ones(3, V, dtype=torch.bool)
+    allowed[:, 40] = False
+    md = make_metadata([dict(temperature=0.0, rep=2.0, pres=0.5),
+                        dict(temperature=0.0), dict(temperature=0.0, freq=1.0)],
+                       device, window, pack_bitmask(allowed))
+    md = with_bias(md, [{5: 3.0, 7: -100.0, 40: 100.0}, {}, {63: float("-inf"), 0: 0.25}],
+                   device)
+    want = logits.clone()
+    want[0, 5] = 2.0 / 2.0 - 0.5 + 3.0             # penalised, then biased
+    want[0, 7] += -100.0
+    want[2, 5] = 2.0 - 2 * 1.0                      # c(5) = 2
+    want[2, 63], want[2, 0] = float("-inf"), want[2, 0] + 0.25
+    want[:, 40] = float("-inf")                     # the mask wins over any bias
+    for fn in (sample, sample_ref):
+        out = fn(logits.to(device), md, return_processed=True)
+        torch.testing.assert_close(out.processed_logits.cpu(), want, atol=1e-6, rtol=0)
+        assert out.token_ids.tolist() == [5, 5, 62]  # row 1: 5 ties 63 (lower id); 63 banned
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_matches_reference_with_logit_bias(device):
+    V = 1000
+    logits, md, _ = mixed_batch(V, device)
+    gen = torch.Generator().manual_seed(3)
+    biases = []
+    for i in range(10):
+        toks = torch.randperm(V, generator=gen)[:[0, 3, 40, 130][i % 4]].tolist()
+        bias = {t: float(torch.empty(1).uniform_(-100, 100, generator=gen)) for t in toks}
+        if i % 3 == 0:  # ban the row's top raw token (min_tokens on a stop token)
+            bias[int(logits[i].argmax())] = float("-inf")
+        biases.append(bias)
+    for window_too in (True, False):
+        m = md if window_too else dataclasses.replace(md, window_token_ids=None)
+        m = with_bias(m, biases, device)
+        got = sample(logits, m, return_processed=True, block_v=256)
+        want = sample_ref(logits, m, return_processed=True)
+        assert_same_processed(got.processed_logits, want.processed_logits)
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+        for i in range(0, 10, 3):
+            assert got.token_ids[i].item() != logits[i].argmax().item() or i == 9

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 from kiln.api.continuation import continuation_prompt
 from kiln.api.errors import InternalServerError, ServiceUnavailableError
@@ -62,15 +62,80 @@ def submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int
            assembler: OutputAssembler, request_id: str | None = None,
            **engine_kw) -> Generation:
     """Admit one engine request: the context check, then the sticky settings' snapshot."""
+    return submit_choices(state, prefix, [ids], req, num_top=num_top,
+                          make_assembler=lambda: assembler, request_id=request_id,
+                          **engine_kw)[0]
+
+
+def submit_choices(state: ServerState, prefix: str, prompts: list[list[int]], req, *,
+                   num_top: int | None, make_assembler: Callable[[], OutputAssembler],
+                   n: int = 1, request_id: str | None = None,
+                   prompt_logprobs: int | None = None, **engine_kw) -> list[Generation]:
+    """Admit n choices of each prompt (choice p * n + i): every context check first, then
+    one snapshot of the sticky settings for them all. Choice i > 0 of a prompt waits for
+    choice 0's prefill and reads the prompt's blocks from the prefix cache; with a seed, it
+    draws from seed + i, so the n streams differ and each repeats."""
     if state.draining:
         raise ServiceUnavailableError()
     engine = state.engine
-    engine.check_context(len(ids), req.max_tokens)  # before settings change
+    for ids in prompts:
+        engine.check_context(len(ids), req.max_tokens)  # before settings change
     sampling = state.settings.admit(req.sampling)
     request_id = request_id or new_id(prefix)
-    stream = engine.add_request(request_id, ids, sampling, max_tokens=req.max_tokens,
-                                num_top_logprobs=num_top, stop=list(req.stop), **engine_kw)
-    return Generation(request_id, stream, assembler, state)
+    gens = []
+    for p, ids in enumerate(prompts):
+        leader = None
+        for i in range(n):
+            choice = p * n + i
+            rid = request_id if choice == 0 else f"{request_id}-{choice}"
+            seeded = sampling if i == 0 or sampling.seed is None \
+                else replace(sampling, seed=_wrap_int64(sampling.seed + i))
+            stream = engine.add_request(
+                rid, ids, seeded, max_tokens=req.max_tokens, num_top_logprobs=num_top,
+                stop=list(req.stop), logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos, prefill_leader=leader,
+                prompt_logprobs=prompt_logprobs if i == 0 else None, **engine_kw)
+            leader = leader or stream.request
+            gens.append(Generation(rid, stream, make_assembler(), state))
+    return gens
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
+async def interleave(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """The choices' deltas as they come, tagged with the choice's index. Leaving early (a
+    client gone) or an error in one choice ends every choice's engine request."""
+    if len(gens) == 1:
+        async for d in gens[0].deltas():
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for d in gen.deltas():
+                queue.put_nowait((i, d))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the reader below
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(gens)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def think_kwargs(state: ServerState, sent) -> dict:
@@ -108,10 +173,17 @@ class ChatJob:
             logprobs_style="chat" if req.logprobs else None, tool_parser=self.plan.parser())
 
     def submit(self, state: ServerState, prefix: str = "chatcmpl") -> Generation:
+        return self.submit_all(state, prefix, n=1)[0]
+
+    def submit_all(self, state: ServerState, prefix: str = "chatcmpl",
+                   n: int | None = None) -> list[Generation]:
+        """The request's n choices (req.n unless given)."""
         req = self.req
-        return submit(state, prefix, self.ids, req, assembler=self.assembler(state),
-                      num_top=req.top_logprobs if req.logprobs else None,
-                      grammar=self.grammar, grammar_prefix=self.grammar_prefix)
+        return submit_choices(state, prefix, [self.ids], req,
+                              num_top=req.top_logprobs if req.logprobs else None,
+                              make_assembler=lambda: self.assembler(state),
+                              n=req.n if n is None else n, grammar=self.grammar,
+                              grammar_prefix=self.grammar_prefix)
 
 
 async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> ChatJob:

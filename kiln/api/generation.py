@@ -18,6 +18,9 @@ class Delta:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: list = field(default_factory=list)  # api.tools.ToolCallDelta
+    # The first delta of a request that asked for its prompt's logprobs: an entry per
+    # prompt token (the first None), in the logprobs style's shape.
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -31,6 +34,23 @@ class Totals:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+
+def combined_totals(totals: list[Totals], n: int = 1) -> Totals:
+    """One usage for a request's choices, n per prompt (choice p * n + i): each prompt once
+    (its choices share it), every choice's completion tokens, timings from the first
+    arrival to the last finish."""
+    prompts = totals[::n]
+    times = [t.first_token_time for t in totals if t.first_token_time is not None]
+    ends = [t.finish_time for t in totals if t.finish_time is not None]
+    return Totals(
+        prompt_tokens=sum(t.prompt_tokens for t in prompts),
+        cached_tokens=sum(t.cached_tokens for t in prompts),
+        completion_tokens=sum(t.completion_tokens for t in totals),
+        reasoning_tokens=sum(t.reasoning_tokens for t in totals),
+        arrival_time=min(t.arrival_time for t in totals),
+        first_token_time=min(times) if times else None,
+        finish_time=max(ends) if len(ends) == len(totals) else None)
 
 
 class OutputAssembler:
@@ -66,6 +86,9 @@ class OutputAssembler:
         delta = Delta()
         if self.logprobs_style and out.new_logprobs:
             delta.logprobs = [self._logprob_entry(lp) for lp in out.new_logprobs]
+        if self.logprobs_style and out.prompt_logprobs is not None:
+            delta.prompt_logprobs = [lp and self._logprob_entry(lp)
+                                     for lp in out.prompt_logprobs]
         finished = out.finished
         if finished:
             text += self.detok.finish()

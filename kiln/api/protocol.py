@@ -21,6 +21,9 @@ from kiln.runtime.sampling.settings import SamplingFields
 
 MAX_TOP_LOGPROBS = 20  # chat
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' integer logprobs
+MAX_N = 16  # choices per request (they share the prompt's prefill)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,9 @@ class ChatCompletionRequest:
     top_logprobs: int = 0
     n: int = 1
     user: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_tokens: int = 0
+    ignore_eos: bool = False
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -104,7 +110,7 @@ class ChatCompletionRequest:
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    prompt: str | tuple[int, ...]  # text, or token ids
+    prompts: tuple[str | tuple[int, ...], ...]  # each text, or token ids; one choice set each
     sampling: SamplingFields
     model: str | None = None
     max_tokens: int | None = None
@@ -115,6 +121,14 @@ class CompletionRequest:
     echo: bool = False
     n: int = 1
     user: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def prompt(self) -> str | tuple[int, ...]:
+        """The first prompt (most requests send one)."""
+        return self.prompts[0]
 
 
 # --- JSON field readers: None when absent or null, a 400 naming the field when mistyped ---
@@ -281,11 +295,43 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _n(body: dict) -> int:
     n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise _bad(f"Invalid 'n': {n}. kiln returns one choice per request: send n=1 or "
-                   "leave it out, and send several requests for several choices.", "n",
-                   "unsupported_value")
-    return 1
+    if n is not None and not 1 <= n <= MAX_N:
+        raise _bad(f"Invalid 'n': {n}. Expected a value from 1 to {MAX_N}.", "n",
+                   "invalid_value")
+    return n or 1
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias}: ids as OpenAI sends them (JSON keys, so strings), biases in
+    [-100, 100]. Ids beyond the vocabulary are the engine's to reject (it knows the size)."""
+    v = _object(body, "logit_bias")
+    if not v:
+        return ()
+    out = {}
+    for key, bias in v.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip().lstrip("+"):
+            raise _bad(f"Invalid 'logit_bias': {key!r} is not a token id.", "logit_bias",
+                       "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise invalid_type(f"logit_bias.{key}", "a number", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _bad(f"Invalid 'logit_bias' value for token {token}: {bias}. Expected a "
+                       f"value from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}.", "logit_bias",
+                       "invalid_value")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _min_tokens(body: dict) -> int:
+    v = _integer(body, "min_tokens")
+    if v is not None and v < 0:
+        raise _bad(f"Invalid 'min_tokens': {v}. Expected a value >= 0.", "min_tokens",
+                   "integer_below_min_value")
+    return v or 0
 
 
 def _common(body: dict) -> dict[str, Any]:
@@ -295,7 +341,8 @@ def _common(body: dict) -> dict[str, Any]:
         stop=_stop(body), stream=bool(_boolean(body, "stream")),
         include_usage=bool(_boolean(stream_options, "include_usage",
                                     "stream_options.include_usage")),
-        n=_n(body), user=_string(body, "user"),
+        n=_n(body), user=_string(body, "user"), logit_bias=_logit_bias(body),
+        min_tokens=_min_tokens(body), ignore_eos=bool(_boolean(body, "ignore_eos")),
     )
 
 
@@ -347,6 +394,8 @@ def _message(v: object, param: str) -> ChatMessage:
     role = _string(v, "role", f"{param}.role")
     if not role:
         raise _missing(f"{param}.role")
+    if role == "developer":  # OpenAI's newer name for the system role; templates know system
+        role = "system"
     content = _content(v.get("content"), f"{param}.content")
     if content is None and role != "assistant":
         raise _missing(f"{param}.content")
@@ -480,34 +529,40 @@ def _token_ids(v: list, param: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _prompt(v: object) -> str | tuple[int, ...]:
+def _prompts(v: object) -> tuple[str | tuple[int, ...], ...]:
+    """A string, an array of token ids, or an array of either: one prompt each."""
     if v is None:
         raise _missing("prompt")
     if isinstance(v, str):
-        return v
+        return (v,)
+    expected = "a string, an array of strings or an array of token ids"
     if not isinstance(v, list):
-        raise invalid_type("prompt", "a string, an array of strings or an array of token ids", v)
-    if v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        return _token_ids(v, "prompt")
-    if len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-        raise _bad(f"'prompt' holds {len(v)} prompts: kiln reads one prompt per request; "
-                   "send several requests instead.", "prompt", "unsupported_value")
-    if len(v) == 1 and isinstance(v[0], str):
-        return v[0]
-    if len(v) == 1 and isinstance(v[0], list):
-        return _token_ids(v[0], "prompt")
+        raise invalid_type("prompt", expected, v)
     if not v:
         raise _bad("'prompt' must not be empty.", "prompt", "empty_array")
-    raise invalid_type("prompt", "a string, an array of strings or an array of token ids", v)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return (_token_ids(v, "prompt"),)
+    if len(v) > MAX_PROMPTS:
+        raise _bad(f"'prompt' holds {len(v)} prompts; kiln takes at most {MAX_PROMPTS} in "
+                   "one request.", "prompt", "invalid_value")
+    prompts = []
+    for i, p in enumerate(v):
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list):
+            prompts.append(_token_ids(p, f"prompt[{i}]"))
+        else:
+            raise invalid_type("prompt", expected, v)
+    return tuple(prompts)
 
 
 def parse_completion_request(body: object) -> CompletionRequest:
     """A /v1/completions body, checked; raises InvalidRequestError."""
     body = _body(body)
-    prompt = _prompt(body.get("prompt"))
+    prompts = _prompts(body.get("prompt"))
     logprobs = _integer(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise _bad(f"Invalid 'logprobs': {logprobs}. Expected a value from 0 to "
                    f"{MAX_COMPLETION_LOGPROBS}.", "logprobs", "invalid_value")
-    return CompletionRequest(prompt=prompt, **_common(body), logprobs=logprobs,
+    return CompletionRequest(prompts=prompts, **_common(body), logprobs=logprobs,
                              echo=bool(_boolean(body, "echo")))

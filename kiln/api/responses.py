@@ -40,7 +40,8 @@ def usage(t: Totals, ctx_len: int) -> dict:
 
 
 def completion_logprobs(entries: list[dict], text_offset: int) -> dict:
-    """/v1/completions' legacy logprobs shape from chat-style entries."""
+    """/v1/completions' legacy logprobs shape from chat-style entries (an echoed prompt's
+    first token has logprob and top_logprobs None: nothing precedes it)."""
     tokens, offsets, offset = [], [], text_offset
     for e in entries:
         tokens.append(e["token"])
@@ -50,6 +51,6 @@ def completion_logprobs(entries: list[dict], text_offset: int) -> dict:
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                         for e in entries],
+                         if e["top_logprobs"] is not None else None for e in entries],
         "text_offset": offsets,
     }

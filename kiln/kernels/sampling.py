@@ -1,7 +1,9 @@
-"""Fused token sampling: penalties -> grammar mask -> top_k -> top_p / min_p -> temperature -> draw.
+"""Fused token sampling: penalties (and logit_bias) -> grammar mask -> top_k -> top_p / min_p
+-> temperature -> draw.
 
 One launch, one program per row, no sort. Passes over the row, BLOCK_V tokens at a time:
-raw log-sum-exp (+ the processed max); the penalty fix-up on the window's tokens; top-N raw
+raw log-sum-exp (+ the processed max); the penalty fix-up on the window's tokens, then the
+row's logit_bias added on its tokens (a bias of -inf bans a token: min_tokens); top-N raw
 logprobs (one argmax pass each); the top_k then top_p thresholds, each a pivot search over an
 order-preserving int32 key of the fp32 logits (a pass counts and weighs the tokens above
 NUM_PIVOTS pivots and shrinks the bracket ~17x: exact after at most 8 passes, any vocab);
@@ -26,7 +28,7 @@ import triton.language as tl
 from kiln.kernels import INTERPRET
 
 MAX_TOP_LOGPROBS = 20
-BLOCK_W = 128  # penalty-window tokens per step of the fix-up loop (not from the window length)
+BLOCK_W = 128  # window (or bias) tokens per step of the fix-up loops (not from their length)
 KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
 
 
@@ -115,7 +117,7 @@ def _pivot_search(logits_row_ptr, work_row_ptr, bitmask_row_ptr, vocab_size,
 # Batch-dependent values are not specialised on, so the variants warmed at load are all a
 # model's steps launch (kernels/warmup.py).
 @triton.jit(do_not_specialize=["logits_row_stride", "window_row_stride", "window_len",
-                               "bitmask_row_stride", "num_top"])
+                               "bias_row_stride", "bias_len", "bitmask_row_stride", "num_top"])
 def _sample_kernel(
     logits_ptr,          # [B, V] fp32 / bf16 / fp16
     logits_row_stride,
@@ -132,6 +134,10 @@ def _sample_kernel(
     window_ptr,          # [B, W] int64, -1 padded
     window_row_stride,
     window_len,
+    bias_ids_ptr,        # [B, L] int64 logit_bias token ids, -1 padded, unique in a row
+    bias_values_ptr,     # [B, L] fp32 (-inf bans)
+    bias_row_stride,
+    bias_len,
     bitmask_ptr,         # [B, ceil(V / 32)] int32
     bitmask_row_stride,
     seeds_ptr,           # [B] int64
@@ -200,6 +206,18 @@ def _sample_kernel(
                     if HAS_GRAMMAR:
                         v = tl.where(_allowed(bitmask_row_ptr, tok, valid), v, NEG_INF)
                     tl.store(work_row_ptr + tok, v, mask=valid)
+        tl.debug_barrier()
+        # logit_bias on the penalised values (ids unique in a row: no two lanes share one).
+        for b0 in range(0, bias_len, BLOCK_W):
+            b_offs = b0 + tl.arange(0, BLOCK_W)
+            in_row = b_offs < bias_len
+            tok = tl.load(bias_ids_ptr + row * bias_row_stride + b_offs, mask=in_row,
+                          other=-1)  # tok: [BLOCK_W]
+            valid = (tok >= 0) & (tok < vocab_size)
+            bias = tl.load(bias_values_ptr + row * bias_row_stride + b_offs, mask=valid,
+                           other=0.0)
+            v = tl.load(work_row_ptr + tok, mask=valid, other=0.0, volatile=True)
+            tl.store(work_row_ptr + tok, v + bias, mask=valid)
         tl.debug_barrier()
         # Pass 1: processed max / argmax / mass over the penalised logits.
         for start in range(0, vocab_size, BLOCK_V):
@@ -293,6 +311,8 @@ class SamplingMetadata:
     offsets: torch.Tensor                    # [B] int64: the row's step within it (< 2**32)
     grammar_bitmask: torch.Tensor | None     # [B, ceil(V / 32)] int32; None = no grammar
     num_top_logprobs: int = 0                # 0..20
+    bias_token_ids: torch.Tensor | None = None   # [B, L] int64, -1 padded; None = no bias
+    bias_values: torch.Tensor | None = None      # [B, L] float32 added to those logits
     # Batch-wide flags: has_top_k, has_top_p, has_min_p, all_greedy (the torch reference
     # skips what no row uses). The runtime knows them from the host-side settings and passes
     # them; left None they are read off the tensors (validated too), at one device sync.
@@ -309,7 +329,10 @@ class SamplingMetadata:
         if not 0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, "
                              f"got {self.num_top_logprobs}")
-        self.has_penalties = self.window_token_ids is not None
+        if (self.bias_token_ids is None) != (self.bias_values is None):
+            raise ValueError("bias_token_ids and bias_values come together")
+        # logit_bias rides on the penalty step: same scratch row, same constexpr.
+        self.has_penalties = self.window_token_ids is not None or self.bias_token_ids is not None
         self.has_grammar = self.grammar_bitmask is not None
         if self.flags is not None:
             self.has_top_k, self.has_top_p, self.has_min_p, self.all_greedy = self.flags
@@ -354,6 +377,11 @@ def check_inputs(logits: torch.Tensor, md: SamplingMetadata) -> None:
     if md.window_token_ids is not None:
         w = md.window_token_ids
         assert w.ndim == 2 and w.shape[0] == B and w.dtype == torch.int64 and w.stride(1) == 1
+    if md.bias_token_ids is not None:
+        ids, vals = md.bias_token_ids, md.bias_values
+        assert ids.ndim == 2 and ids.shape[0] == B and ids.dtype == torch.int64
+        assert vals.shape == ids.shape and vals.dtype == torch.float32
+        assert ids.stride() == vals.stride() and ids.stride(1) == 1
     if md.grammar_bitmask is not None:
         g = md.grammar_bitmask
         assert g.shape == (B, triton.cdiv(V, 32)) and g.dtype == torch.int32 and g.stride(1) == 1
@@ -377,14 +405,19 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
     if md.has_penalties:
         work = torch.empty(B, V, dtype=torch.float32, device=dev)
         counts = torch.empty(B, V, dtype=torch.int32, device=dev)
-    window = md.window_token_ids if md.has_penalties else md.seeds.view(B, 1)
+    has_window, has_bias = md.window_token_ids is not None, md.bias_token_ids is not None
+    window = md.window_token_ids if has_window else md.seeds.view(B, 1)
+    bias_ids = md.bias_token_ids if has_bias else md.seeds.view(B, 1)
+    bias_values = md.bias_values if has_bias else md.temperature.view(B, 1)
     bitmask = md.grammar_bitmask if md.has_grammar else md.top_k.view(B, 1)
-    W = window.shape[1] if md.has_penalties else 0
+    W = window.shape[1] if has_window else 0
+    L = bias_ids.shape[1] if has_bias else 0
     _sample_kernel[(B,)](
         logits, logits.stride(0), work, counts, processed if return_processed else logits,
         md.temperature, md.top_k, md.top_p, md.min_p,
         md.repetition_penalty, md.frequency_penalty, md.presence_penalty,
-        window, window.stride(0), W, bitmask, bitmask.stride(0),
+        window, window.stride(0), W, bias_ids, bias_values, bias_ids.stride(0), L,
+        bitmask, bitmask.stride(0),
         md.seeds, md.offsets, token_ids, logprobs, top_ids, top_lps, V, N,
         HAS_PENALTIES=md.has_penalties, HAS_GRAMMAR=md.has_grammar,
         WRITE_PROCESSED=return_processed, BLOCK_V=block_v, BLOCK_W=BLOCK_W,

@@ -63,6 +63,14 @@ def apply_penalties_ref_(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return x
 
 
+def apply_logit_bias_ref_(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place: each row's bias added on its tokens (ids unique within a row)."""
+    ids = md.bias_token_ids
+    rows, cols = ((ids >= 0) & (ids < x.shape[1])).nonzero(as_tuple=True)
+    x[rows, ids[rows, cols]] += md.bias_values[rows, cols]
+    return x
+
+
 def _candidates_ref(x: torch.Tensor, m: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     md: SamplingMetadata):
     """Per-row value threshold after top_k then top_p (-inf: keep every finite token; ties
@@ -116,8 +124,10 @@ def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
     x = raw
     if md.has_penalties or md.has_grammar:
         x = raw.clone() if raw.data_ptr() == logits.data_ptr() else raw  # x is ours to edit
-        if md.has_penalties:
+        if md.window_token_ids is not None:
             apply_penalties_ref_(x, md)
+        if md.bias_token_ids is not None:
+            apply_logit_bias_ref_(x, md)
         if md.has_grammar:
             x.masked_fill_(~unpack_bitmask(md.grammar_bitmask, V), float("-inf"))
     m, token_ids = x.max(-1)

@@ -25,7 +25,7 @@ from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.model_runner import ModelRunner
 from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
-from kiln.runtime.errors import ContextLengthError, KVCacheCapacityError
+from kiln.runtime.errors import ContextLengthError, InvalidRequestError, KVCacheCapacityError
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
@@ -141,12 +141,21 @@ class LLMEngine:
                      stop_token_ids: frozenset[int] | None = None,
                      num_top_logprobs: int | None = None, ignore_eos: bool = False,
                      grammar: xgr.CompiledGrammar | None = None,
-                     grammar_prefix: str = "", stop: list[str] | None = None) -> Request:
+                     grammar_prefix: str = "", stop: list[str] | None = None,
+                     logit_bias: tuple[tuple[int, float], ...] = (), min_tokens: int = 0,
+                     prompt_logprobs: int | None = None,
+                     prefill_leader: Request | None = None) -> Request:
         """Validate against the context and the KV pool; the prompt is never truncated. A
         reply without max_tokens ends ("length") where the context or the pool is full."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.check_context(len(prompt_token_ids), max_tokens)
+        vocab_size = self.loaded.config.vocab_size
+        bad = [t for t, _ in logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"Invalid 'logit_bias': token id {bad[0]} is outside "
+                                      f"the vocabulary (size {vocab_size}).",
+                                      param="logit_bias", code="invalid_value")
         room = min(self.config.ctx_len, self.kv_cache_tokens) - len(prompt_token_ids)
         state = GrammarState(grammar, grammar_prefix) if grammar is not None else None
         return Request(
@@ -155,6 +164,10 @@ class LLMEngine:
             stop_token_ids=stop_token_ids if stop_token_ids is not None
             else self.loaded.tokenizer.stop_token_ids,
             num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos and state is None,
+            logit_bias=tuple(logit_bias), min_tokens=min_tokens,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprob_entries=[None] if prompt_logprobs is not None else [],
+            prefill_leader=prefill_leader,
             grammar=state, stop_strings=StopStringChecker(self.loaded.tokenizer, stop)
             if any(stop or ()) else None)
 
@@ -221,13 +234,16 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request, tokens: list[int], logprobs) -> RequestOutput:
+        first = req.num_output_tokens == len(tokens)  # the request's first output
         return RequestOutput(
             request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs,
             finished=req.is_finished, finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            prompt_logprobs=req.prompt_logprob_entries
+            if first and req.prompt_logprobs is not None else None)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache()

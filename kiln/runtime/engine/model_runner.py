@@ -4,14 +4,14 @@ rows that sample."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.cuda_graphs import DecodeGraphs
-from kiln.runtime.engine.request import Request
+from kiln.runtime.engine.request import Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
@@ -26,6 +26,11 @@ class ModelInput:
     logits_indices: torch.Tensor  # [S'] rows whose next token is sampled
     sampling_requests: list[Request]  # the S' requests, in the same order
     graph_bucket: int | None = None  # a decode padded to this CUDA-graph bucket
+    # (request, first row, first position, end position): rows whose logits give the
+    # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
+    prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+
+PROMPT_LOGPROB_ROWS = 256  # logits rows materialised at once for prompt logprobs
 
 
 class ModelRunner:
@@ -56,7 +61,7 @@ class ModelRunner:
         seq_lens = np.empty(num_seqs, dtype=np.int32)
         tables = [self.kv.get_block_ids(req) for req, _ in scheduled]
         block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
-        logits_indices, sampling_requests = [], []
+        logits_indices, sampling_requests, prompt_rows = [], [], []
         end = 0
         for i, ((req, n), block_ids) in enumerate(zip(scheduled, tables, strict=True)):
             start, end = req.num_computed_tokens, end + n
@@ -70,8 +75,16 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_indices.append(end - 1)
                 sampling_requests.append(req)
+            if req.prompt_logprobs is not None:
+                # Position p's logits score the token at p + 1; entries already made (before
+                # a preemption) are not made again.
+                lo = max(start, len(req.prompt_logprob_entries) - 1)
+                hi = min(start + n, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    prompt_rows.append((req, end - n + lo - start, lo, hi))
         bucket = None
-        if self.graphs is not None and num_tokens == num_seqs == len(sampling_requests):
+        if self.graphs is not None and num_tokens == num_seqs == len(sampling_requests) \
+                and not prompt_rows:
             bucket = self.graphs.bucket(num_seqs)
         if bucket is not None and bucket > num_seqs:  # pad: one-token rows that store nothing
             pad = bucket - num_seqs
@@ -90,7 +103,7 @@ class ModelRunner:
             max_seq_len=max(req.num_computed_tokens + n for req, n in scheduled))
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
-                          graph_bucket=bucket)
+                          graph_bucket=bucket, prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:
@@ -103,6 +116,25 @@ class ModelRunner:
             logits = self.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
             return logits[:len(inp.sampling_requests)]
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+        for req, row, lo, hi in inp.prompt_logprob_rows:
+            req.prompt_logprob_entries += self._prompt_logprobs(hidden[row:row + hi - lo],
+                                                                req, lo, hi)
         if not inp.sampling_requests:
             return None
         return self.model.compute_logits(hidden[inp.logits_indices])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, lo: int, hi: int
+                         ) -> list[TokenLogprob]:
+        """Raw logprobs (and the top-N) of the prompt tokens at positions lo + 1 .. hi, from
+        the hidden states at positions lo .. hi - 1: a host copy, for echo requests only."""
+        entries = []
+        targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], device=hidden.device)
+        for i in range(0, hi - lo, PROMPT_LOGPROB_ROWS):
+            rows = slice(i, min(i + PROMPT_LOGPROB_ROWS, hi - lo))
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
+            chosen = logprobs.gather(1, targets[rows, None])[:, 0].tolist()
+            top_values, top_ids = logprobs.topk(req.prompt_logprobs, dim=-1)
+            for tok, lp, ids, values in zip(targets[rows].tolist(), chosen, top_ids.tolist(),
+                                            top_values.tolist()):
+                entries.append(TokenLogprob(tok, lp, list(zip(ids, values))))
+        return entries

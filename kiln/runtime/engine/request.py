@@ -55,6 +55,9 @@ class RequestOutput:
     num_output_tokens: int
     first_token_time: float | None
     arrival_time: float
+    # With a request's first output only, when it asked: one entry per prompt token, the
+    # first None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -66,6 +69,14 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     num_top_logprobs: int | None = None  # None = no logprobs
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_tokens: int = 0  # stop tokens are banned until the reply has this many tokens
+    # Logprobs of the prompt's tokens (completions' echo): computed while it is prefilled,
+    # so it never takes prefix-cache hits. None = not asked; else the top-N per token.
+    prompt_logprobs: int | None = None
+    # n > 1: a sibling waits for the first choice's prefill, then takes its prompt's full
+    # blocks from the prefix cache instead of prefilling them again.
+    prefill_leader: Request | None = None
     window_prefix: list[int] = field(default_factory=list)  # carried from a cached reply
     grammar: GrammarState | None = None  # structured output; stepped by the engine thread
     stop_strings: StopStringChecker | None = None  # fed each token by the engine thread
@@ -78,6 +89,7 @@ class Request:
     num_cached_tokens: int = -1  # set when first scheduled
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     first_token_time: float | None = None
+    prompt_logprob_entries: list[TokenLogprob | None] = field(default_factory=list)
     num_prefill_chunks: int = 0
     prefill_plan: list[int] = field(default_factory=list)  # chunk sizes, for the log
 
@@ -95,6 +107,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def waits_for_leader(self) -> bool:
+        leader = self.prefill_leader
+        return leader is not None and not leader.is_finished \
+            and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

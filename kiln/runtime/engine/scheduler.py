@@ -83,16 +83,22 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 budget -= n
                 i += 1
-        # Then admit waiting requests while blocks, budget and seats allow.
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
+        # Then admit waiting requests, oldest first, while blocks, budget and seats allow; a
+        # choice of an n > 1 request waits (without holding the queue) for its first
+        # choice's prefill, whose blocks it then takes from the prefix cache.
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                break
+            if req.waits_for_leader():
+                continue
+            hits, num_cached = self.kv.get_computed_blocks(req) \
+                if req.prompt_logprobs is None else ([], 0)
             n = self._num_new_tokens(req, num_cached)
             if n > budget:
                 break
             if not self.kv.allocate_slots(req, n, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.prefix_queried_tokens += req.num_prompt_tokens

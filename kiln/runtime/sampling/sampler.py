@@ -45,7 +45,8 @@ class Sampler:
                 offsets.append(0)
             windows.append(window_tokens(sp.repeat_last_n, r.output_token_ids, r.window_prefix)
                            if sp.has_penalties else [])
-        width = max(len(w) for w in windows)
+        biases = [_row_bias(r) for r in requests]
+        width, bias_width = max(len(w) for w in windows), max(len(b) for b in biases)
         columns = [
             np.array([p.temperature for p in rows], dtype=np.float32),
             # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
@@ -58,13 +59,24 @@ class Sampler:
             np.array(seeds, dtype=np.int64),
             np.array(offsets, dtype=np.int64),
         ]
+        optional = {}  # name -> index in columns
         if width:
             window_ids = np.full((len(requests), width), -1, dtype=np.int64)
             for i, w in enumerate(windows):
                 window_ids[i, :len(w)] = w
+            optional["window"] = len(columns)
             columns.append(window_ids)
+        if bias_width:
+            bias_ids = np.full((len(requests), bias_width), -1, dtype=np.int64)
+            bias_values = np.zeros((len(requests), bias_width), dtype=np.float32)
+            for i, b in enumerate(biases):
+                bias_ids[i, :len(b)] = list(b)
+                bias_values[i, :len(b)] = list(b.values())
+            optional["bias"] = len(columns)
+            columns += [bias_ids, bias_values]
         bitmask = build_grammar_bitmask([r.grammar for r in requests], vocab_size)
         if bitmask is not None:
+            optional["bitmask"] = len(columns)
             columns.append(bitmask.numpy())
         sent = self.staging.send(*columns)
         sampled = [not p.is_greedy for p in rows]
@@ -72,14 +84,29 @@ class Sampler:
                  any(s and p.top_p < 1 for s, p in zip(sampled, rows)),
                  any(s and p.min_p > 0 for s, p in zip(sampled, rows)),
                  not any(sampled))
+
+        def get(name: str, offset: int = 0):
+            return sent[optional[name] + offset] if name in optional else None
+
         return SamplingMetadata(
-            *sent[:7], window_token_ids=sent[9] if width else None, seeds=sent[7],
-            offsets=sent[8], grammar_bitmask=sent[-1] if bitmask is not None else None,
-            num_top_logprobs=max((r.num_top_logprobs or 0) for r in requests), flags=flags)
+            *sent[:7], window_token_ids=get("window"), seeds=sent[7], offsets=sent[8],
+            grammar_bitmask=get("bitmask"),
+            num_top_logprobs=max((r.num_top_logprobs or 0) for r in requests), flags=flags,
+            bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
         return (sample if self.use_triton else sample_ref)(logits, meta)
+
+
+def _row_bias(req: Request) -> dict[int, float]:
+    """The request's logit_bias, and -inf on its stop tokens while min_tokens is not reached
+    (not under a grammar: the grammar alone decides where structured output ends)."""
+    bias = dict(req.logit_bias)
+    if req.num_output_tokens < req.min_tokens and req.grammar is None:
+        for token in req.stop_token_ids:
+            bias[token] = float("-inf")
+    return bias
 
 
 @dataclass
