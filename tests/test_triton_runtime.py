@@ -123,3 +123,39 @@ def test_the_triton_sampler_follows_the_grammar_bitmask(engines, smollm2):
     assert text.lstrip().startswith("{"), text
     if outputs[0][-1] in smollm2.tokenizer.stop_token_ids:  # finished: the whole object parses
         json.loads(smollm2.tokenizer.decode(outputs[0][:-1]))
+
+
+def test_bias_min_tokens_prompt_logprobs_and_choices_match_the_cpu_engine(engines):
+    """The per-request extras through the Triton path: logit_bias and min_tokens (the bias
+    columns of the sampler's metadata), prompt logprobs, and a second choice that waits for
+    the first one's prefill and reads its blocks from the cache."""
+    results = []
+    for engine in engines:
+        prompt = [(i * 53) % 4000 + 7 for i in range(40)]
+        eos = sorted(engine.loaded.tokenizer.stop_token_ids)
+        bias = tuple(sorted({17: 5.0, 300: -3.0, 4001: 2.5}.items()))
+        leader = engine.make_request("a", prompt, SamplingParams(temperature=0.9, seed=5),
+                                     max_tokens=4, num_top_logprobs=1, logit_bias=bias,
+                                     min_tokens=4, prompt_logprobs=2,
+                                     stop_token_ids=frozenset(eos))
+        sibling = engine.make_request("b", prompt, SamplingParams(temperature=0.0),
+                                      max_tokens=3, num_top_logprobs=1, prefill_leader=leader,
+                                      logit_bias=((eos[0], float("-inf")),))
+        for r in (leader, sibling):
+            engine.add_request(r)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        first = next(o for o in outs if o.request_id == "a")
+        results.append((
+            [(o.request_id, o.new_token_ids) for o in outs],
+            [e and (e.token_id, e.logprob, e.top) for e in first.prompt_logprobs],
+            sibling.num_cached_tokens))
+        assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
+    (got_tokens, got_prompt, got_cached), (want_tokens, want_prompt, want_cached) = results
+    assert got_tokens == want_tokens and got_cached == want_cached == 32
+    assert [e and e[0] for e in got_prompt] == [e and e[0] for e in want_prompt]
+    torch.testing.assert_close(torch.tensor([e[1] for e in got_prompt[1:]]),
+                               torch.tensor([e[1] for e in want_prompt[1:]]), atol=1e-4, rtol=0)
+    assert [[t for t, _ in e[2]] for e in got_prompt[1:]] == \
+        [[t for t, _ in e[2]] for e in want_prompt[1:]]
