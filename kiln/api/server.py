@@ -14,6 +14,7 @@ from sanic.response import json
 
 from kiln.api.errors import error_response
 from kiln.api.handlers import chat_completions, completions
+from kiln.api.openai_responses import create_response
 from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
@@ -59,6 +60,7 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
 
     app.add_route(chat_completions, "/v1/chat/completions", methods=["POST"])
     app.add_route(completions, "/v1/completions", methods=["POST"])
+    app.add_route(create_response, "/v1/responses", methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request):
