@@ -81,9 +81,13 @@ def section(name: str, fn, *args) -> None:
             torch.cuda.empty_cache()
 
 
+TOKENIZER = Path(__file__).resolve().parent / "wheels" / "smollm2-tokenizer.gguf"
+
+
 def write_gguf(path: Path, shape, seed: int = 0) -> Path:
     """A llama GGUF of random F16 weights, scaled 1/sqrt(fan-in) so activations keep their
-    size through the layers; no tokenizer (the check feeds token ids)."""
+    size through the layers; with the default model's tokenizer and chat template where
+    bench/fetch_wheels.sh left them and the vocabulary matches (the HTTP check needs them)."""
     import gguf
 
     layers, hidden, inter, heads, kv_heads, head_dim, vocab = shape
@@ -99,6 +103,13 @@ def write_gguf(path: Path, shape, seed: int = 0) -> Path:
                        "rope.dimension_count": head_dim, "vocab_size": vocab}.items():
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.rope.freq_base", 100000.0)
+    if TOKENIZER.exists():
+        reader = gguf.GGUFReader(str(TOKENIZER))
+        if len(reader.fields["tokenizer.ggml.tokens"].contents()) == vocab:
+            for key, field in reader.fields.items():
+                if key.startswith("tokenizer."):
+                    sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                    w.add_key_value(key, field.contents(), field.types[0], sub)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_tensor("token_embd.weight", rand(vocab, hidden) * np.float16(8))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -297,6 +308,156 @@ def time_kernels(device: str) -> None:
          f"{sort / fused:.2f}x {note}")
 
 
+def serving_batch(B: int, V: int, device, seed=0) -> tuple[torch.Tensor, SamplingMetadata]:
+    """What a served batch asks of the sampler: the default model's settings (temperature
+    0.2, top_k 40, top_p 0.9, min_p 0.1, repetition 1.1 over a 64-token window), bf16."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (torch.randn((B, V), generator=g) * 3).to(device, torch.bfloat16)
+    f32 = dict(dtype=torch.float32, device=device)
+
+    def full(v, **kw):
+        return torch.full((B,), v, **(kw or f32))
+    window = torch.randint(0, V, (B, 64), generator=g).to(device)
+    md = SamplingMetadata(full(0.2), full(40, dtype=torch.int32, device=device), full(0.9),
+                          full(0.1), full(1.1), full(0.0), full(0.0), window,
+                          seeds=torch.arange(B, dtype=torch.int64, device=device),
+                          offsets=torch.zeros(B, dtype=torch.int64, device=device),
+                          grammar_bitmask=None, num_top_logprobs=0)
+    return logits, md
+
+
+def sweep_sampler(device: str) -> None:
+    """The fused sampler's launch parameters (block width, warps, pivots) at served batch
+    shapes, against the sort-based torch sampler: the data to choose the defaults by."""
+    shapes = [(1, 49152), (16, 49152), (256, 49152), (1, 151936), (256, 151936)]
+    configs = [(bv, nw, 16) for bv in (1024, 2048, 4096) for nw in (4, 8, 16)]
+    configs += [(2048, 8, 8), (2048, 8, 32)]
+    if DRY:
+        shapes, configs = [(2, 3000)], [(1024, 8, 16)]
+    for B, V in shapes:
+        logits, md = serving_batch(B, V, device)
+        want = sample(logits, md).token_ids
+        times = {}
+        for bv, nw, piv in configs:
+            out = sample(logits, md, block_v=bv, num_warps=nw, num_pivots=piv)
+            if not torch.equal(out.token_ids, want):
+                line(f"sampler sweep {B} x {V} block {bv} warps {nw} pivots {piv}", "FAIL",
+                     "", "tokens differ from the default launch")
+                continue
+            times[bv, nw, piv] = bench(lambda bv=bv, nw=nw, piv=piv, x=logits, m=md: sample(
+                x, m, block_v=bv, num_warps=nw, num_pivots=piv))
+        sort = bench(lambda x=logits, m=md: torch_sort_sampler(x, m))
+        default = times.get((1024, 8, 16), float("nan"))
+        best = min(times, key=times.get)
+        line(f"sampler sweep {B} x {V}: default 1024/8/16", default, "ms",
+             f"best {best[0]}/{best[1]}/{best[2]} {times[best]:.3f} ms; torch sort "
+             f"{sort:.3f} ms")
+        print("    " + "  ".join(f"{bv}/{nw}/{piv}={t:.3f}" for (bv, nw, piv), t
+                                 in sorted(times.items())), flush=True)
+
+
+def check_serving(path: Path, device: str) -> None:
+    """`kiln serve` on the device, over HTTP: a chat reply whole and streamed (the same
+    text), n=4 seeded choices, an echoed prompt's logprobs, then 64 concurrent streams
+    (tokens/s, time to first token), then SIGTERM (exit 0). Random weights: text is noise."""
+    import asyncio
+    import json
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+
+    if DRY:  # the CPU serves the real default model: the steps are checked, not figures
+        from kiln.runtime.store.pull import ensure_model
+        path = Path(ensure_model("smollm2:135m"))
+    elif not TOKENIZER.exists():
+        line("serving", "skipped", "", "no bench/wheels/smollm2-tokenizer.gguf (fetch_wheels)")
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.gettempdir()) / f"kiln-serve-{port}.log"
+    log = open(log_path, "w")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "kiln.api.cli", "serve", str(path), "--port", str(port),
+           "--kv-cache-tokens", "65536" if not DRY else "4096", "--ctx-len", "4096"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kiln serve exited {proc.returncode}: "
+                                   f"{log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 240:
+                raise RuntimeError("kiln serve not healthy after 240 s")
+            time.sleep(0.25)
+        line("serving: kiln serve healthy after", time.perf_counter() - t0, "s")
+        messages = [{"role": "user", "content": "Name three colours."}]
+        body = {"messages": messages, "max_tokens": 16, "temperature": 0}
+        whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        text = whole["choices"][0]["message"]["content"]
+        streamed = ""
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            for raw in r.iter_lines():
+                if raw.startswith("data: {"):
+                    for c in json.loads(raw[6:])["choices"]:
+                        streamed += c["delta"].get("content") or ""
+        line("serving: greedy chat, whole vs streamed", whole["usage"]["completion_tokens"],
+             "tokens", "ok" if streamed == text else "FAIL: streamed text differs")
+        n = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            **body, "n": 4, "seed": 1, "temperature": 1.0}).json()
+        texts = [c["message"]["content"] for c in n["choices"]]
+        line("serving: n=4 seeded choices", len(set(texts)), "distinct",
+             "ok" if len(texts) == 4 else "FAIL")
+        echo = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": "The sky is blue and", "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}).json()
+        lp = echo["choices"][0]["logprobs"]
+        ok = lp["token_logprobs"][0] is None and all(
+            isinstance(v, float) for v in lp["token_logprobs"][1:])
+        line("serving: echo logprobs entries", len(lp["tokens"]), "", "ok" if ok else "FAIL")
+
+        async def one(client: httpx.AsyncClient, i: int) -> tuple[float, int]:
+            start, first, count = time.perf_counter(), None, 0
+            req = {"messages": [{"role": "user", "content": f"Story {i}"}], "stream": True,
+                   "max_tokens": 128 if not DRY else 4, "temperature": 0.8, "seed": i,
+                   "ignore_eos": True}
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=req) as r:
+                async for raw in r.aiter_lines():
+                    if raw.startswith("data: {") and json.loads(raw[6:])["choices"]:
+                        first = first or time.perf_counter()
+                        count += 1
+            return first - start, count
+
+        async def load(c: int):
+            async with httpx.AsyncClient(timeout=300) as client:
+                t = time.perf_counter()
+                results = await asyncio.gather(*(one(client, i) for i in range(c)))
+                return time.perf_counter() - t, results
+
+        for c in (1, 64) if not DRY else (2,):
+            wall, results = asyncio.run(load(c))
+            chunks = sum(k for _, k in results)
+            ttft = sorted(t for t, _ in results)[len(results) // 2]
+            line(f"serving: {c} concurrent streams", chunks / wall, "chunks/s",
+                 f"median TTFT {ttft * 1000:.0f} ms, {wall:.2f} s wall (HTTP included)")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        line("serving: SIGTERM", code, "exit", "ok" if code == 0 else "FAIL")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
 _LOADED: dict[tuple[Path, str], LoadedModel] = {}
 
 
@@ -364,6 +525,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, interpreter, toy shapes")
     p.add_argument("--skip-1b", action="store_true")
+    p.add_argument("--sampler-sweep", action="store_true",
+                   help="time the fused sampler's launch parameters at served shapes")
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -384,7 +547,10 @@ def main() -> int:
         section("attention", check_attention, device)
         section("sampler", check_sampler, device)
         section("kernel timings", time_kernels, device)
+        if args.sampler_sweep:
+            section("sampler sweep", sweep_sampler, device)
         batches = (1, 16, 64, 256) if not DRY else (1, 3)
+        section("serving", check_serving, paths["smollm2-135m"], device)
         for graphs in (True, False):
             section(f"engine smollm2-135m graphs={graphs}", time_engine,
                     paths["smollm2-135m"], device, "smollm2-135m", batches, graphs)

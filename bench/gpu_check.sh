@@ -16,11 +16,13 @@ export TRITON_DEFAULT_FP_FUSION=1  # Triton 3.9's default, said out loud (no war
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
     --format=csv,noheader
 
-# What kiln needs that this python lacks, from the carried wheels (pip picks the version).
+# What kiln needs that this python lacks, from the carried wheels (pip picks the version;
+# bench/fetch_wheels.sh says what the image already has).
 missing=$("$PY" - <<'PY'
 import importlib.util as u
-mods = {"gguf": "gguf", "yaml": "pyyaml", "tokenizers": "tokenizers", "xxhash": "xxhash",
-        "tqdm": "tqdm", "jinja2": "jinja2", "markupsafe": "markupsafe", "numpy": "numpy"}
+mods = {"gguf": "gguf", "sanic": "sanic", "sanic_routing": "sanic-routing",
+        "html5tagger": "html5tagger", "tracerite": "tracerite", "websockets": "websockets",
+        "httptools": "httptools", "ujson": "ujson"}
 print(" ".join(pkg for mod, pkg in mods.items() if u.find_spec(mod) is None))
 PY
 )

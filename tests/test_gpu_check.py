@@ -16,6 +16,8 @@ def test_gpu_check_dry_run_passes_every_check():
     assert "FAIL" not in out, out
     for section in ("logits float32 vs CPU reference", "attention batch", "tokens equal to "
                     "sample_ref", "vs filtered softmax", "attention decode", "fused sampler",
-                    "decode step smollm2-135m batch 3 graphs", "batch 3 eager", "total"):
+                    "decode step smollm2-135m batch 3 graphs", "batch 3 eager",
+                    "serving: greedy chat, whole vs streamed", "serving: SIGTERM", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
-    assert out.count(" ok") == 5, out  # logits, two attention cases, two sampler checks
+    # logits, two attention cases, two sampler checks, four serving checks
+    assert out.count(" ok") == 9, out

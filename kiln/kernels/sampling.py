@@ -388,7 +388,8 @@ def check_inputs(logits: torch.Tensor, md: SamplingMetadata) -> None:
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: bool = False,
-           block_v: int | None = None, num_pivots: int = 16) -> SamplerOutput:
+           block_v: int | None = None, num_pivots: int = 16, num_warps: int = 8
+           ) -> SamplerOutput:
     """Fused sampler: one launch, one program per row. See the module docstring."""
     check_inputs(logits, metadata)
     md = metadata
@@ -421,6 +422,6 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
         md.seeds, md.offsets, token_ids, logprobs, top_ids, top_lps, V, N,
         HAS_PENALTIES=md.has_penalties, HAS_GRAMMAR=md.has_grammar,
         WRITE_PROCESSED=return_processed, BLOCK_V=block_v, BLOCK_W=BLOCK_W,
-        NUM_PIVOTS=num_pivots, num_warps=8,
+        NUM_PIVOTS=num_pivots, num_warps=num_warps,
     )
     return SamplerOutput(token_ids, logprobs, top_ids, top_lps, processed)
