@@ -6,7 +6,8 @@ raw log-sum-exp (+ the processed max); the penalty fix-up on the window's tokens
 row's logit_bias added on its tokens (a bias of -inf bans a token: min_tokens); top-N raw
 logprobs (one argmax pass each); the top_k then top_p thresholds, each a pivot search over an
 order-preserving int32 key of the fp32 logits (a pass counts and weighs the tokens above
-NUM_PIVOTS pivots and shrinks the bracket ~17x: exact after at most 8 passes, any vocab);
+NUM_PIVOTS pivots and shrinks the bracket (NUM_PIVOTS + 1)x: with 8, exact after at most 11
+passes, any vocab);
 the draw. Ties: every token equal to the threshold is kept (top_k may keep more than k,
 top_p keeps the crossing token and its equals); argmax ties go to the lowest token id.
 
@@ -29,6 +30,12 @@ from kiln.kernels import INTERPRET
 
 MAX_TOP_LOGPROBS = 20
 BLOCK_W = 128  # window (or bias) tokens per step of the fix-up loops (not from their length)
+# Launch defaults, measured on an H200 (bench/gpu_check.py --sampler-sweep, 2026-12-04): of
+# blocks 1024/2048/4096 x 4/8/16 warps x 8/16/32 pivots, 2048 x 8 warps x 8 pivots was the
+# fastest at every served shape (1 to 256 rows, vocab 49,152 and 151,936), 1.36-1.40x the
+# former 1024 x 8 x 16.
+BLOCK_V = 2048
+NUM_PIVOTS = 8
 KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
 
 
@@ -388,7 +395,7 @@ def check_inputs(logits: torch.Tensor, md: SamplingMetadata) -> None:
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: bool = False,
-           block_v: int | None = None, num_pivots: int = 16, num_warps: int = 8
+           block_v: int | None = None, num_pivots: int = NUM_PIVOTS, num_warps: int = 8
            ) -> SamplerOutput:
     """Fused sampler: one launch, one program per row. See the module docstring."""
     check_inputs(logits, metadata)
@@ -398,7 +405,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
     dev = logits.device
     if block_v is None:
         # The interpreter runs a block as numpy arrays: the bigger the fewer Python steps.
-        block_v = min(triton.next_power_of_2(V), 8192) if INTERPRET else 1024
+        block_v = min(triton.next_power_of_2(V), 8192) if INTERPRET else BLOCK_V
     token_ids, top_ids = (torch.empty(B, *n, dtype=torch.int64, device=dev) for n in ((), (N,)))
     logprobs, top_lps = (torch.empty(B, *n, dtype=torch.float32, device=dev) for n in ((), (N,)))
     processed = torch.empty(B, V, dtype=torch.float32, device=dev) if return_processed else None
