@@ -292,7 +292,9 @@ def test_continue_final_message_null_or_false_keeps_the_default(server):
 
 
 # --- a file that is not a model: 404, and the server keeps serving -------------------------
-# (The 500 an unexpected exception gets, quoting a request id, is test_protocol's.)
+# (A request may not name a path at all: any path is this 404, a non-GGUF file in the models
+# directory too; test_api_access covers both. The 500 an unexpected exception gets, quoting
+# a request id, is test_protocol's.)
 
 def test_a_file_that_is_not_a_gguf_is_a_404_and_the_server_keeps_serving(server, client,
                                                                           tmp_path):

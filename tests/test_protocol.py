@@ -403,9 +403,9 @@ def test_error_bodies_have_openais_shape():
     assert (status, body) == (400, {"error": {"message": "Max length reached!",
                                               "type": "model_error", "param": None,
                                               "code": 400}})
-    status, body = error_response(ModelNotFoundError("nope:1b"), "r")
-    assert status == 404 and body["error"]["param"] == "model"
-    assert "nope:1b" in body["error"]["message"]
+    status, body = error_response(ModelNotFoundError(), "r")
+    assert (status, body["error"]["param"], body["error"]["code"]) == (404, "model",
+                                                                        "model_not_found")
     assert error_response(InternalServerError("req-9"), "r")[0] == 500
 
 

@@ -12,10 +12,12 @@ import numpy as np
 TOKENIZER_KEYS = ("tokenizer.", "general.quantization_version")
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> int:
-    """Every tokenizer.* field of `reader` into `writer`; returns the vocabulary size."""
+def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader,
+                   without: tuple[str, ...] = ()) -> int:
+    """Every tokenizer.* field of `reader` (but those named in `without`) into `writer`;
+    returns the vocabulary size."""
     for key, field in reader.fields.items():
-        if not key.startswith(TOKENIZER_KEYS):
+        if not key.startswith(TOKENIZER_KEYS) or key in without:
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -24,12 +26,14 @@ def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> int:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray],
-               tokenizer_from: str | Path, qtypes: dict[str, gguf.GGMLQuantizationType] | None
-               = None, name: str | None = None) -> Path:
+               tokenizer_from: str | Path | gguf.GGUFReader,
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+               name: str | None = None, without: tuple[str, ...] = ()) -> Path:
     """metadata: `{arch}.*` keys without the prefix -> value (ints as uint32, floats as
     float32); tensors in torch's orientation ([out, in]), float32, written as F32 unless
     `qtypes` names a GGUF type for them (quantized by the gguf package). `name`:
-    general.name (transformers reads a llama file named "mistral..." as Mistral)."""
+    general.name (transformers reads a llama file named "mistral..." as Mistral). `without`:
+    tokenizer fields not to copy (tokenizer.chat_template: a model with no template)."""
     writer = gguf.GGUFWriter(str(path), arch)
     if name:
         writer.add_name(name)
@@ -43,7 +47,9 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndar
             writer.add_float32(full, value)
         else:
             writer.add_string(full, value)
-    copy_tokenizer(writer, gguf.GGUFReader(str(tokenizer_from)))
+    reader = tokenizer_from if isinstance(tokenizer_from, gguf.GGUFReader) \
+        else gguf.GGUFReader(str(tokenizer_from))  # (reading a vocabulary takes seconds)
+    copy_tokenizer(writer, reader, without)
     for name, array in tensors.items():
         qtype = (qtypes or {}).get(name, gguf.GGMLQuantizationType.F32)
         array = np.ascontiguousarray(array, dtype=np.float32)

@@ -43,9 +43,11 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         self.state.begin()
+        finish = "abort"  # until the engine says otherwise (a client that hung up)
         try:
             async for out in self.stream:
                 delta = self.assembler.add(out, time.monotonic())
+                finish = delta.finish_reason or finish
                 if out.finish_reason == "abort" and not self.assembler.stopped \
                         and not self.state.draining:  # shutdown ends a reply as "abort"
                     raise InternalServerError(self.request_id, "The engine aborted the request.")
@@ -56,6 +58,7 @@ class Generation:
                     return
         finally:
             self.state.end()
+            self.state.metrics.request_finished(self.assembler.totals, finish)
 
 
 def submit(state: ServerState, prefix: str, ids: list[int], req, *, num_top: int | None,
@@ -186,12 +189,16 @@ class ChatJob:
                               grammar_prefix=self.grammar_prefix)
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> ChatJob:
-    """Load the model the request names, render its messages with the model's template (tools
-    in the prompt, or described in the system message when the template ignores them),
-    tokenize, and compile the grammar of a forced tool call or response_format."""
-    await state.ensure_model(req.model)
-    loaded, engine = state.loaded, state.engine
+def render_chat(state: ServerState, req: ChatCompletionRequest,
+                add_generation_prompt: bool = True) -> tuple[str, ToolPlan, dict]:
+    """The loaded model's template on the request's messages (tools in the prompt, or
+    described in the system message when the template ignores them): (prompt text, the
+    tool plan, the thinking switches). /tokenize's chat form reads the same text."""
+    loaded = state.loaded
+    if loaded.chat_template is None:
+        raise InvalidRequestError(f"The model `{loaded.name}` has no chat template: send its "
+                                  "prompt to /v1/completions instead.", param="messages",
+                                  code="no_chat_template")
     plan = plan_tools(req, tool_format_for(loaded.name))
     messages = [m.to_template() for m in req.messages]
     if template_handles_tools(loaded.chat_template.template_str):
@@ -205,11 +212,20 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> ChatJo
                                                    tools=tools, **kw)
             prompt = continuation_prompt(rendered, req.messages[-1].content or "")
         else:
-            prompt = loaded.chat_template.render(messages, add_generation_prompt=True,
-                                                 tools=tools, **kw)
+            prompt = loaded.chat_template.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **kw)
     except TemplateError as exc:
         raise InvalidRequestError(f"The chat template rejected the messages: {exc}",
                                   param="messages") from exc
+    return prompt, plan, kw
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> ChatJob:
+    """Load the model the request names, render its messages with the model's template,
+    tokenize, and compile the grammar of a forced tool call or response_format."""
+    await state.ensure_model(req.model)
+    loaded, engine = state.loaded, state.engine
+    prompt, plan, kw = render_chat(state, req)
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     grammar = None
     if plan.grammar is not None:  # compiled off the event loop; a bad schema is a 400 here

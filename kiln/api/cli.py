@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -63,6 +64,9 @@ def cmd_run(args) -> int:
     except (PullError, ModelLoadError) as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 1
+    if loaded.chat_template is None:
+        print(f"kiln run: {args.model} has no chat template", file=sys.stderr)
+        return 1
     settings = SamplingSettings(loaded.defaults)
     sampling = settings.admit(SamplingFields(temperature=args.temperature, seed=args.seed))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -97,14 +101,21 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from kiln.api.access import AccessPolicy
     from kiln.api.server import serve
     from kiln.api.state import ServeOptions
+    from kiln.runtime.store.model_dirs import default_models_dir
 
     if args.deterministic:
         logging.getLogger("kiln").info(
             "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
+    dirs = tuple(Path(d.strip()).expanduser() for arg in args.models_dir or ()
+                 for d in arg.split(",") if d.strip()) or (default_models_dir(),)
     options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling,
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout, models_dirs=dirs,
+                           access=AccessPolicy.from_flags(args.api_key, args.allowed_origins))
     return serve(args.model, options, args.host, args.port)
 
 
@@ -159,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests may take to finish before "
                             "they are ended (finish_reason \"abort\"); new requests get 503")
+    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
+                       help="every route but /health needs 'Authorization: Bearer KEY' "
+                            "(default: $KILN_API_KEY; none: no key needed)")
+    serve.add_argument("--allowed-origins", default=None,
+                       help="comma-separated origins whose browser pages may call the API "
+                            "besides localhost's (http(s)://localhost, 127.0.0.1, [::1], any "
+                            "port); '*' lets every origin in")
+    serve.add_argument("--models-dir", action="append", default=None, metavar="DIR",
+                       help="a directory whose .gguf files requests may name by file name or "
+                            "stem (repeatable or comma-separated; default: the model cache, "
+                            "where kiln pull puts files); requests never name a path")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

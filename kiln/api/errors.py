@@ -18,6 +18,7 @@ from kiln.runtime.errors import (
 )
 
 __all__ = [
+    "AuthenticationError",
     "ContextLengthError",
     "InternalServerError",
     "InvalidRequestError",
@@ -51,9 +52,19 @@ class ServiceUnavailableError(KilnError):
                          param=None, code="service_unavailable")
 
 
+class AuthenticationError(KilnError):
+    """The server wants an API key (--api-key) and the request has none or another (401)."""
+
+    def __init__(self, missing: bool) -> None:
+        super().__init__("You didn't provide an API key: send it as 'Authorization: Bearer "
+                         "<key>'." if missing else "Incorrect API key provided.", param=None,
+                         code="invalid_api_key")
+
+
 # Most specific first: (class, HTTP status, OpenAI error type)
 _HTTP = (
     (ServiceUnavailableError, 503, "server_error"),
+    (AuthenticationError, 401, "invalid_request_error"),
     (ContextLengthError, 400, "model_error"),  # the reference runtime's body, word for word
     (ModelNotFoundError, 404, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),

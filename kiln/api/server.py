@@ -6,20 +6,22 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 
 from sanic import Sanic
 from sanic.exceptions import SanicException
-from sanic.response import json
+from sanic.response import json, raw
 
+from kiln.api import access
 from kiln.api.errors import error_response
 from kiln.api.handlers import chat_completions, completions
+from kiln.api.metrics import CONTENT_TYPE_LATEST
+from kiln.api.models import defaults_json, list_models, retrieve_model
 from kiln.api.openai_responses import create_response
 from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
+from kiln.api.tokenize import detokenize, tokenize
 from kiln.runtime.errors import InvalidRequestError, KilnError
-from kiln.runtime.store.catalogue import CATALOGUE
 
 log = logging.getLogger("kiln")
 
@@ -58,23 +60,25 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         if state.engine is not None:
             state.engine.shutdown()
 
+    access.install(app, state.options.access)
+
+    @app.on_response
+    async def count_response(request, response):
+        route = request.route.uri if request.route else "unmatched"
+        state.metrics.http_response(route, request.method, response.status)
+
     app.add_route(chat_completions, "/v1/chat/completions", methods=["POST"])
     app.add_route(completions, "/v1/completions", methods=["POST"])
     app.add_route(create_response, "/v1/responses", methods=["POST"])
+    app.add_route(list_models, "/v1/models", methods=["GET"])
+    # A model id may hold ':' and '/' (smollm2:135m): the rest of the path is the id.
+    app.add_route(retrieve_model, "/v1/models/<model_id:path>", methods=["GET"])
+    app.add_route(tokenize, "/tokenize", methods=["POST"])
+    app.add_route(detokenize, "/detokenize", methods=["POST"])
 
-    @app.get("/v1/models")
-    async def models(request):
-        loaded = state.loaded
-        data = []
-        for tag, entry in CATALOGUE.items():
-            is_loaded = loaded is not None and loaded.name == tag
-            # The loaded model shows the context this server gives it (--ctx-len applied).
-            data.append(_model_card(tag, entry.defaults,
-                                    state.config.ctx_len if is_loaded else entry.ctx_len,
-                                    is_loaded))
-        if loaded is not None and loaded.name not in CATALOGUE:
-            data.append(_model_card(loaded.name, loaded.defaults, state.config.ctx_len, True))
-        return json({"object": "list", "data": data})
+    @app.get("/metrics")
+    async def metrics(request):
+        return raw(state.metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health(request):
@@ -89,11 +93,10 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         body = load_json_body(request.body)
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
-            raise InvalidRequestError("'model' must be a model tag or a .gguf path.",
-                                      param="model")
+            raise InvalidRequestError("'model' must be a model name.", param="model")
         await state.ensure_model(model, reload=True)
         return json({"status": "loaded", "model": state.loaded.name,
-                     "defaults": _defaults(state.loaded.defaults)})
+                     "defaults": defaults_json(state.loaded.defaults)})
 
     @app.exception(Exception)
     async def on_error(request, exc):
@@ -110,25 +113,13 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     return app
 
 
-def _defaults(d) -> dict:
-    return {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
-            "min_p": d.min_p, "presence_penalty": d.presence_penalty,
-            "frequency_penalty": d.frequency_penalty,
-            "repetition_penalty": d.repetition_penalty, "repeat_last_n": d.repeat_last_n}
-
-
-def _model_card(name: str, defaults, ctx_len: int, loaded: bool) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
-            "context_length": ctx_len, "loaded": loaded, "defaults": _defaults(defaults)}
-
-
 def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
     from kiln.runtime.store.gguf_file import ModelLoadError
     from kiln.runtime.store.pull import PullError
 
     state = ServerState(options)
     try:
-        state.load(model)
+        state.start(model)
     except (PullError, ModelLoadError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 1

@@ -2,14 +2,21 @@
 
 Switching models waits until no request is in flight, so a reply never changes model
 half-way; the new model starts from its default sampling settings.
+
+A request may name a catalogue tag, the model the operator started the server with, or a
+`.gguf` file in the operator's model directories, never a path: any other name is the same
+404, whether or not a file of that name exists, and nothing is opened for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from kiln.api.access import AccessPolicy
+from kiln.api.metrics import Metrics
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import AsyncEngine
@@ -18,7 +25,7 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.settings import SamplingSettings
 from kiln.runtime.store.catalogue import lookup
 from kiln.runtime.store.gguf_file import ModelLoadError
-from kiln.runtime.store.pull import local_file
+from kiln.runtime.store.model_dirs import ModelDirs, default_models_dir
 
 log = logging.getLogger("kiln")
 
@@ -28,12 +35,28 @@ class ServeOptions:
     engine: EngineOptions = EngineOptions()
     per_request_sampling: bool = False  # the sticky settings are the API's business
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may still take
+    models_dirs: tuple[Path, ...] = field(default_factory=lambda: (default_models_dir(),))
+    access: AccessPolicy = AccessPolicy()  # --api-key, --allowed-origins
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model a client may name: `name` is what clients call it, `source` what the loader
+    reads (a catalogue tag, or the path of an operator's file)."""
+
+    name: str
+    source: str
+    path: Path | None = None  # a models-directory file
 
 
 class ServerState:
     def __init__(self, options: ServeOptions):
         self.options = options
+        self.model_dirs = ModelDirs(tuple(options.models_dirs))
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine else None)
         self.loaded: LoadedModel | None = None
+        self.loaded_ref: ModelRef | None = None
+        self.startup: ModelRef | None = None  # the operator's model, from the command line
         self.engine: AsyncEngine | None = None
         self.settings: SamplingSettings | None = None
         self.config: EngineConfig | None = None
@@ -43,53 +66,80 @@ class ServerState:
         self._idle.set()
         self._switch = asyncio.Lock()
 
-    def load(self, name: str) -> None:
+    def start(self, model: str) -> None:
+        """Load the command line's model: any tag or path (the operator's choice), which
+        requests may name later too."""
+        self.startup = ModelRef(model, model)
+        self.load(self.startup)
+
+    def load(self, ref: ModelRef) -> None:
         """Load (or reload) a model; blocking: call it from a worker thread when serving.
 
         The old engine is stopped only once the new model has loaded: a load that fails
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
-        loaded, engine = build_engine(name, self.options.engine)
+        loaded, engine = build_engine(ref.source, self.options.engine)
+        loaded.name = ref.name  # a models-directory file is known by its file name
         if self.engine is not None:
+            self.metrics.engine_retired(self.engine.stats())
             self.engine.shutdown()
-        self.loaded, self.config = loaded, engine.config
+        self.loaded, self.loaded_ref, self.config = loaded, ref, engine.config
         self.engine = AsyncEngine(engine)
         self.settings = SamplingSettings(loaded.defaults,
                                          per_request=self.options.per_request_sampling)
         config = self.config
         log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
-                 "(%d blocks of %d)", name, config.ctx_len, config.prefill_chunk_len,
+                 "(%d blocks of %d)", ref.name, config.ctx_len, config.prefill_chunk_len,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)
 
-    def is_loaded(self, name: str | None) -> bool:
-        if not name or self.loaded is None:
+    def resolve(self, name: str) -> ModelRef:
+        """The model a client's name means. Only a listing of the model directories is
+        compared with it: no other name reaches the file system."""
+        for ref in (self.loaded_ref, self.startup):
+            if ref is not None and name == ref.name:
+                return ref
+        if lookup(name) is not None:
+            return ModelRef(name, name)
+        local = self.model_dirs.find(name)
+        if local is not None:
+            return ModelRef(local.name, str(local.path), local.path)
+        raise ModelNotFoundError()
+
+    def is_loaded(self, ref: ModelRef | None) -> bool:
+        """Whether `ref` is the loaded model (None: whichever is loaded)."""
+        loaded = self.loaded
+        if ref is None or loaded is None:
+            return ref is None
+        if ref.name == loaded.name:
             return True
-        return name == self.loaded.name or str(self.loaded.path) == name \
-            or (lookup(name) is not None and lookup(name).filename == self.loaded.path.name
-                and lookup(self.loaded.name) is not None)
+        try:  # the operator's file, started by its path and now named by the listing
+            return ref.path is not None and ref.path.samefile(loaded.path)
+        except OSError:
+            return False
 
     async def ensure_model(self, name: str | None, reload: bool = False) -> None:
-        """Make `name` the loaded model, waiting for in-flight requests to finish first.
+        """Make the model `name` means the loaded one, waiting for in-flight requests to
+        finish first; no name means the loaded model.
 
         A request that arrives while a switch is under way waits for it, so it is never
         submitted to the engine being stopped.
         """
-        if not reload and self.is_loaded(name) and not self._switch.locked():
+        ref = self.resolve(name) if name else None
+        if not reload and self.is_loaded(ref) and not self._switch.locked():
             return
-        if name and lookup(name) is None and local_file(name) is None:
-            raise ModelNotFoundError(name)
         async with self._switch:
-            if not reload and self.is_loaded(name):
+            if not reload and self.is_loaded(ref):
                 return
             await self._idle.wait()
             try:
-                await asyncio.get_running_loop().run_in_executor(None, self.load, name)
-            except ModelLoadError:
-                if lookup(name) is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.load, ref)
+            except ModelLoadError as exc:
+                if ref.path is None:  # a catalogue tag or the operator's model: our failure
                     raise
-                # A local file that is not a GGUF kiln reads: no such model, for the client.
-                log.warning("[kiln]  Request for model %r: not a loadable GGUF", name)
-                raise ModelNotFoundError(name) from None
+                # An operator's file that kiln cannot read: no such model, for the client.
+                log.warning("[kiln]  Model %s in the models directory: %s", ref.name,
+                            exc.reason)
+                raise ModelNotFoundError() from None
 
     async def drain(self) -> None:
         """On SIGTERM: take no new request, give the running ones up to --shutdown-timeout

@@ -56,10 +56,11 @@ class KVCacheCapacityError(InvalidRequestError):
 
 
 class ModelNotFoundError(KilnError):
-    """No such model tag or GGUF path."""
+    """A model name that is no catalogue tag, served model or file in the operator's model
+    directories. The message never echoes the name and is the same for every such name, so
+    it tells nothing of the server's files."""
 
+    MESSAGE = "The model does not exist or is not available on this server."
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.", param="model",
-                         code="model_not_found")
-        self.model = model
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE, param="model", code="model_not_found")

@@ -36,7 +36,7 @@ class LoadedModel:
     config: ModelConfig
     model: DecoderModel
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatTemplate | None  # None: the GGUF has no usable one (no chat, then)
     load_seconds: float
 
     @property
@@ -78,7 +78,13 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     except ValueError as exc:  # a tensor type no backend kernel reads, a bad shape
         raise ModelLoadError(path, str(exc)) from exc
     tokenizer = Tokenizer.from_gguf(gf.reader)
-    template = ChatTemplate.from_gguf(gf.reader, fallback=entry.chat_template if entry else None)
+    try:
+        template = ChatTemplate.from_gguf(gf.reader,
+                                          fallback=entry.chat_template if entry else None)
+    except ValueError as exc:  # none in the file, or one that does not parse (TemplateError)
+        # The model still completes text; chat requests are refused with a 400.
+        log.warning("[kiln]  %s has no usable chat template: %s", name, exc)
+        template = None
     seconds = time.perf_counter() - t0
     log.info("[kiln]  Loaded %s (%s, %d layers, %s backend) in %.1f s", name, gf.arch,
              config.num_layers, backend.name, seconds)
