@@ -12,8 +12,9 @@ from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json
 
-from kiln.api.errors import error_response
+from kiln.api.errors import error_response, ollama_error_body, ollama_route
 from kiln.api.handlers import chat_completions, completions
+from kiln.api.ollama import add_ollama_routes
 from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
@@ -93,16 +94,21 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         return json({"status": "loaded", "model": state.loaded.name,
                      "defaults": _defaults(state.loaded.defaults)})
 
+    add_ollama_routes(app)
+
     @app.exception(Exception)
     async def on_error(request, exc):
         if isinstance(exc, asyncio.CancelledError):
             raise exc
         if isinstance(exc, SanicException) and not isinstance(exc, KilnError):
             status = getattr(exc, "status_code", 500)
-            return json({"error": {"message": str(exc), "type": "invalid_request_error"
-                                   if status < 500 else "server_error",
-                                   "param": None, "code": status}}, status=status)
-        status, body = error_response(exc, new_id("req"))
+            body = {"error": {"message": str(exc), "type": "invalid_request_error"
+                              if status < 500 else "server_error",
+                              "param": None, "code": status}}
+        else:
+            status, body = error_response(exc, new_id("req"))
+        if ollama_route(request.path):
+            body = ollama_error_body(body)
         return json(body, status=status)
 
     return app
