@@ -12,9 +12,9 @@ from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json
 
+from kiln.api import ollama
 from kiln.api.errors import error_response, ollama_error_body, ollama_route
 from kiln.api.handlers import chat_completions, completions
-from kiln.api.ollama import add_ollama_routes
 from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
@@ -94,7 +94,7 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         return json({"status": "loaded", "model": state.loaded.name,
                      "defaults": _defaults(state.loaded.defaults)})
 
-    add_ollama_routes(app)
+    ollama.add_routes(app)
 
     @app.exception(Exception)
     async def on_error(request, exc):

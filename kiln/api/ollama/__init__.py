@@ -11,7 +11,7 @@ from sanic import Sanic
 from kiln.api.ollama import generate, models, pull
 
 
-def add_ollama_routes(app: Sanic) -> None:
+def add_routes(app: Sanic) -> None:
     app.ctx.ollama_pulls = {}  # tag -> the pull.Pull under way
     for handler, path, method in (
         (generate.chat, "/api/chat", "POST"),
