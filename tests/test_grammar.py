@@ -186,3 +186,49 @@ def test_spec_checks_its_kind_and_text():
     with pytest.raises(ValueError, match="needs its text"):
         GrammarSpec("regex")
     assert hash(GrammarSpec("regex", "a")) == hash(GrammarSpec("regex", "a", param="x"))
+
+
+def test_dictated_tokens_are_the_ones_the_grammar_leaves_no_choice_of(grammars, tok):
+    """A token is dictated when its text starts the jump-forward string: the fixed text of
+    the grammar (an EBNF literal), not a token the model chose among others."""
+    compiled = grammars.get(GrammarSpec("ebnf", 'root ::= "The answer is: " [a-z]+ "."'))
+    state = GrammarState(compiled, token_bytes=grammars.token_bytes)
+    head = tok.encode("The answer is: ", add_special_tokens=False)
+    for t in head:
+        assert state.dictates(t), grammars.token_bytes[t]
+        assert state.accept(t)
+    word = tok.encode("paris", add_special_tokens=False)
+    assert not state.dictates(word[0]) and state.accept(word[0])
+
+
+def test_dictated_tokens_stay_out_of_the_penalty_window(make_engine, smollm2):
+    """The model's own choices enter the window; the grammar's fixed text does not, so
+    repetition in a fixed head (a tool call's quotes and newlines) is not penalised."""
+    from kiln.runtime.sampling.params import SamplingParams
+
+    engine = make_engine()
+    compiled = engine.grammars.get(GrammarSpec(
+        "ebnf", 'root ::= "Answer: \\"" [a-z]+ "\\"\\nAnswer: \\"" [a-z]+ "\\""'))
+    prompt = smollm2.tokenizer.encode("Name two colours.", add_special_tokens=False)
+    req = engine.make_request("g", prompt, SamplingParams(temperature=0.0, presence_penalty=2.0,
+                                                          repetition_penalty=2.0),
+                              max_tokens=24, grammar=compiled)
+    engine.add_request(req)
+    while engine.has_unfinished():
+        engine.step()
+    out, decode = req.output_token_ids, smollm2.tokenizer.decode
+    text = decode(out)
+    assert text.startswith('Answer: "') and '"\nAnswer: "' in text, text
+    ends = [len(decode(out[:i + 1])) for i in range(len(out))]  # each token's end offset
+
+    starts = [0] + ends[:-1]
+    second = text.index('\nAnswer: "')  # the newline is dictated too: the quote closed the word
+    fixed = [(0, 9), (second, second + 10)]  # the literals that follow no choice
+
+    def is_fixed(i: int) -> bool:
+        return any(lo <= starts[i] < ends[i] <= hi for lo, hi in fixed)
+
+    assert req.window_token_ids == [t for i, t in enumerate(out) if not is_fixed(i)]
+    heads = [[t for i, t in enumerate(out) if is_fixed(i) and starts[i] >= lo and ends[i] <= hi]
+             for lo, hi in fixed]
+    assert heads[0] and heads[0] == heads[1][1:]  # spelt alike: the first did not penalise it

@@ -7,7 +7,7 @@
   gets no 5xx and leaves the server healthy;
 - a soak: 64 clients, a third hanging up mid-stream: every request completes or is cancelled,
   and in_flight and the pool's free blocks return to their idle values;
-- a forced tool call under heavy penalties cannot fill itself with whitespace;
+- a forced tool call under heavy penalties completes (no whitespace runs, no second call);
 - SIGTERM: new requests get 503, a reply that outlasts --shutdown-timeout ends with
   finish_reason "abort" and [DONE], the process exits 0 without a traceback.
 """
@@ -231,14 +231,13 @@ def test_soak_64_clients_a_third_hanging_up(server):
     print(f"soak: blocks free after {after['kv_free_blocks']}/{after['kv_total_blocks']}")
 
 
-def test_a_forced_tool_call_under_heavy_penalties_has_no_whitespace_runs(server):
-    """Presence, frequency and repetition penalties of 2.0 filled a forced call with
-    whitespace up to max_tokens: a tool call's JSON now allows one whitespace character per
-    gap. (Whether the
-    call then completes is up to the penalties: the contract applies them inside grammars,
-    and the call's head already put three quotes in the window.)"""
+def test_a_forced_tool_call_under_heavy_penalties_completes(server):
+    """Presence, frequency and repetition penalties of 2.0 once filled a forced call with
+    whitespace (now one whitespace character per gap), then made the model open a second
+    call: the newline of the call's fixed head was penalised, so the newline that closes
+    the list lost to ',', and the second call never closed its string. Text the grammar
+    dictates stays out of the penalty window, so the calls complete, as without penalties."""
     client = server.client()
-    finishes = []
     for seed in range(4):
         r = client.chat.completions.create(
             model="smollm2:135m", seed=seed, max_tokens=60, temperature=1.0, presence_penalty=2.0,
@@ -246,13 +245,12 @@ def test_a_forced_tool_call_under_heavy_penalties_has_no_whitespace_runs(server)
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tools=[TOOL], tool_choice="required")
         choice = r.choices[0]
-        finishes.append(choice.finish_reason)
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "get_weather"
-        assert not re.search(r"\s\s", call.function.arguments), call.function.arguments
-        if choice.finish_reason == "tool_calls":
-            assert isinstance(json.loads(call.function.arguments), dict)
-    print(f"\npenalised forced calls: {finishes}")
+        assert choice.finish_reason == "tool_calls", (seed, choice)
+        assert choice.message.tool_calls  # one, or (parallel calls allowed) a few, each whole
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            assert not re.search(r"\s\s", call.function.arguments), call.function.arguments
+            assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
 # --- shutdown -------------------------------------------------------------------------------

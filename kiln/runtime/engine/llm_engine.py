@@ -50,7 +50,7 @@ class ReplyTails:
 
     def record(self, req: Request) -> None:
         key = tuple(req.all_token_ids)
-        self.entries[key] = list(req.output_token_ids)
+        self.entries[key] = list(req.window_token_ids)
         self.entries.move_to_end(key)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
@@ -157,7 +157,8 @@ class LLMEngine:
                                       f"the vocabulary (size {vocab_size}).",
                                       param="logit_bias", code="invalid_value")
         room = min(self.config.ctx_len, self.kv_cache_tokens) - len(prompt_token_ids)
-        state = GrammarState(grammar, grammar_prefix) if grammar is not None else None
+        state = GrammarState(grammar, grammar_prefix, self.grammars.token_bytes) \
+            if grammar is not None else None
         return Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
             max_tokens=min(max_tokens, room) if max_tokens is not None else room,
@@ -207,12 +208,16 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for req, token, lp in zip(reqs, out.token_ids, logprobs):
-            req.append_output_token(token)
+            accepted, dictated = True, False
+            if req.grammar is not None:
+                dictated = req.grammar.dictates(token)
+                accepted = req.grammar.accept(token)
+            req.append_output_token(token, dictated=dictated)
             stopped = req.stop_strings is not None and req.stop_strings.feed(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = None
-            if req.grammar is not None and not req.grammar.accept(token):
+            if not accepted:
                 # The mask makes this impossible; finish rather than emit invalid output.
                 log.warning("[kiln]  Request %s sampled token %d outside its grammar",
                             req.request_id, token)

@@ -84,6 +84,8 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # The output tokens the penalties see: all but those a grammar dictated (penalty_window.py)
+    window_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set when first scheduled
@@ -113,9 +115,13 @@ class Request:
         return leader is not None and not leader.is_finished \
             and leader.num_computed_tokens < leader.num_prompt_tokens
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, dictated: bool = False) -> None:
+        """dictated: the grammar left no other text here; the token stays out of the
+        penalty window."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if not dictated:
+            self.window_token_ids.append(token_id)
 
     @property
     def is_finished(self) -> bool:

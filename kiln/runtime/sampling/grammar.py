@@ -84,6 +84,7 @@ class GrammarCompilerCache:
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self.hits = self.misses = 0
+        self._info = self._token_bytes = None
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
@@ -104,8 +105,18 @@ class GrammarCompilerCache:
         info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab.vocab_type],
                                  vocab_size=self.vocab_size, stop_token_ids=stop,
                                  add_prefix_space=vocab.add_prefix_space)
+        self._info = info
         # Our LRU is the cache; xgrammar's own would hold every grammar ever compiled.
         return xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each token's text as bytes, as xgrammar decodes the vocabulary (once)."""
+        _ = self.compiler  # makes the tokenizer info on first use
+        with self._lock:
+            if self._token_bytes is None:
+                self._token_bytes = list(self._info.decoded_vocab)
+            return self._token_bytes
 
     @property
     def bitmask_width(self) -> int:
@@ -152,12 +163,16 @@ class GrammarCompilerCache:
 class GrammarState:
     """One request's position in its grammar. Used by the engine thread only."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, prefix: str = "") -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, prefix: str = "",
+                 token_bytes: list[bytes] | None = None) -> None:
+        """prefix: text already in the reply (continue_final_message) that the grammar must
+        accept first; a prefix it rejects is a 400 on `continue_final_message`.
+        token_bytes: each token's text as bytes (GrammarCompilerCache.token_bytes), to tell
+        which tokens the grammar dictated."""
         import xgrammar as xgr
 
-        """prefix: text already in the reply (continue_final_message) that the grammar must
-        accept first; a prefix it rejects is a 400 on `continue_final_message`."""
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.token_bytes = token_bytes
         if prefix and not self.matcher.accept_string(prefix):
             raise InvalidRequestError("The final assistant message does not match the "
                                       "requested format, so it cannot be continued.",
@@ -166,6 +181,16 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (a CPU int32 tensor)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def dictates(self, token_id: int) -> bool:
+        """Whether the grammar left the model no choice of this token's text: it is a prefix
+        of the jump-forward string (the text every continuation must start with). Call it
+        before `accept`. Such tokens are the grammar's, not the model's: like drafted tokens,
+        they stay out of the penalty window, so a call's fixed head (its quotes, its name,
+        its newlines) cannot push the model off the structure it must write next."""
+        text = self.token_bytes[token_id] if self.token_bytes is not None \
+            and 0 <= token_id < len(self.token_bytes) else b""
+        return bool(text) and self.matcher.find_jump_forward_string().encode().startswith(text)
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (then the

@@ -1,7 +1,11 @@
 """The penalty window: which generated tokens presence/frequency/repetition penalties see.
 
 Contract: the last `repeat_last_n` generated tokens (default 64; -1 = the whole reply;
-0 = penalties off). The prompt never counts; reasoning tokens do. A request that continues a
+0 = penalties off). The prompt never counts; reasoning tokens do. Tokens a grammar dictated
+(its fixed text: a tool call's head, a schema's keys; `GrammarState.dictates`) are not the
+model's choices and stay out, as the reference runtime keeps drafted tokens out: penalties
+still act on every token a grammar allows, but a fixed head cannot penalise the structure
+that must follow it. A request that continues a
 conversation still held in the cache starts with the tail of the earlier reply (`carried`);
 a request with a seed always starts empty. The window size is the request's own snapshot, so
 a smaller window applies from the request's first token: the carried tail is cut to it.

@@ -43,7 +43,7 @@ class Sampler:
             else:
                 seeds.append(int(self.server_rng.integers(0, 2**63 - 1)))
                 offsets.append(0)
-            windows.append(window_tokens(sp.repeat_last_n, r.output_token_ids, r.window_prefix)
+            windows.append(window_tokens(sp.repeat_last_n, r.window_token_ids, r.window_prefix)
                            if sp.has_penalties else [])
         biases = [_row_bias(r) for r in requests]
         width, bias_width = max(len(w) for w in windows), max(len(b) for b in biases)
