@@ -153,3 +153,27 @@ def test_too_many_prompts_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=["a"] * 65, max_tokens=1)
     assert exc.value.body["param"] == "prompt"
+
+
+def test_a_client_gone_mid_stream_ends_every_choice(server):
+    """n streams share one connection: when it closes, every choice's engine request ends
+    and its KV blocks are freed."""
+    import time
+
+    import httpx
+
+    body = {"model": MODEL, "messages": QUESTION, "n": 4, "max_tokens": 400, "stream": True,
+            "temperature": 1.0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        seen = {int(line.split('"index": ')[1][0]) for line in
+                (next(lines) for _ in range(12)) if '"index": ' in line}
+        assert seen == {0, 1, 2, 3}
+    deadline = time.monotonic() + 60
+    while True:
+        h = server.health()
+        if h["in_flight"] == 0 and h["kv_free_blocks"] == h["kv_total_blocks"]:
+            break
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)

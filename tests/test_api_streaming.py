@@ -218,23 +218,27 @@ def test_echo_returns_the_prompt_before_the_completion(client, stream):
 
 
 def test_integer_logprobs_shape(client):
+    """The legacy shape; with echo the prompt's tokens come first, the very first with no
+    logprob (nothing precedes it), as OpenAI's legacy API and vLLM answer."""
     prompt = "The three primary colours are"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
                                   logprobs=3, echo=True)
     choice = r.choices[0]
     lp = choice.logprobs
-    n = r.usage.completion_tokens
+    n, p = r.usage.completion_tokens, r.usage.prompt_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) \
-        == len(lp.text_offset) == n == 4
-    assert prompt + "".join(lp.tokens) == choice.text
-    assert lp.text_offset[0] == len(prompt)
-    assert lp.text_offset == [len(prompt) + len("".join(lp.tokens[:i])) for i in range(n)]
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        == len(lp.text_offset) == p + n and n == 4
+    assert "".join(lp.tokens[:p]) == prompt and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(p + n)]
+    for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
         assert len(top) == 3 and logprob <= 0
         values = list(top.values())
         assert values == sorted(values, reverse=True)
+    for token, logprob, top in zip(lp.tokens[p:], lp.token_logprobs[p:], lp.top_logprobs[p:],
+                                   strict=True):
         assert top[token] == pytest.approx(logprob)  # greedy: the top token was chosen
-        assert logprob == pytest.approx(max(values))
+        assert logprob == pytest.approx(max(top.values()))
 
 
 def test_token_id_prompts_equal_the_text_prompt(client, tokenizer):

@@ -204,15 +204,16 @@ def test_prompt_forms(prompt, expected):
     assert completion(prompt=prompt).prompt == expected
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], [], [[]], [1, -2], [1, "a"],
-                                    [True, 1], 5, {"text": "a"}])
-def test_batched_or_malformed_prompts_are_a_400(prompt):
+@pytest.mark.parametrize("prompt", [[], [[]], [1, -2], [1, "a"], [True, 1], 5, {"text": "a"},
+                                    ["a", 5], ["a", [1, -1]], ["a"] * 65])
+def test_malformed_prompts_are_a_400(prompt):
     rejects(parse_completion_request, {"prompt": prompt}, "prompt")
 
 
-def test_a_batch_of_prompts_says_so():
-    err = rejects(parse_completion_request, {"prompt": ["a", "b"]}, "prompt")
-    assert "one prompt per request" in err.message
+def test_a_batch_of_prompts_is_several_prompts():
+    assert completion(prompt=["a", "b"]).prompts == ("a", "b")
+    assert completion(prompt=[[1], [2, 3], "c"]).prompts == ((1,), (2, 3), "c")
+    assert completion(prompt=["a"] * 64).prompts == ("a",) * 64
 
 
 @pytest.mark.parametrize("field,value", [
@@ -279,12 +280,29 @@ def test_unknown_and_misspelt_fields_are_ignored_without_a_log_line(caplog):
     assert r.sampling == SamplingFields() and caplog.records == []
 
 
-def test_n_other_than_one_is_a_clear_400():
-    assert chat(n=1).n == 1 and chat().n == 1
-    err = rejects(parse_chat_request, {"messages": USER, "n": 2}, "n")
-    assert "n=1" in err.message
-    rejects(parse_completion_request, {"prompt": "x", "n": 3}, "n")
-    rejects(parse_chat_request, {"messages": USER, "n": 0}, "n")
+def test_n_from_1_to_16():
+    assert chat(n=1).n == 1 and chat().n == 1 and chat(n=16).n == 16
+    assert completion(prompt="x", n=3).n == 3
+    err = rejects(parse_chat_request, {"messages": USER, "n": 17}, "n")
+    assert "1 to 16" in err.message
+    rejects(parse_completion_request, {"prompt": "x", "n": 0}, "n")
+    rejects(parse_chat_request, {"messages": USER, "n": -1}, "n")
+
+
+def test_logit_bias_min_tokens_and_ignore_eos():
+    r = chat(logit_bias={"7": -100, "3": 2.5, "12": 100}, min_tokens=4, ignore_eos=True)
+    assert r.logit_bias == ((3, 2.5), (7, -100.0), (12, 100.0))
+    assert (r.min_tokens, r.ignore_eos) == (4, True)
+    assert chat().logit_bias == () and chat().min_tokens == 0 and not chat().ignore_eos
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {"1": 100.5}, {"1": -101}):
+        rejects(parse_chat_request, {"messages": USER, "logit_bias": bad}, "logit_bias")
+    rejects(parse_chat_request, {"messages": USER, "logit_bias": {"1": "a"}}, "logit_bias.1")
+    rejects(parse_chat_request, {"messages": USER, "min_tokens": -1}, "min_tokens")
+
+
+def test_the_developer_role_is_the_system_role():
+    r = chat(messages=[{"role": "developer", "content": "Be brief."}, *USER])
+    assert [m.role for m in r.messages] == ["system", "user"]
 
 
 def test_max_tokens_bounds_and_precedence():

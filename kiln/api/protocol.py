@@ -546,11 +546,11 @@ def _prompts(v: object) -> tuple[str | tuple[int, ...], ...]:
         raise _bad(f"'prompt' holds {len(v)} prompts; kiln takes at most {MAX_PROMPTS} in "
                    "one request.", "prompt", "invalid_value")
     prompts = []
-    for i, p in enumerate(v):
+    for p in v:
         if isinstance(p, str):
             prompts.append(p)
         elif isinstance(p, list):
-            prompts.append(_token_ids(p, f"prompt[{i}]"))
+            prompts.append(_token_ids(p, "prompt"))
         else:
             raise invalid_type("prompt", expected, v)
     return tuple(prompts)
