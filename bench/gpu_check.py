@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref  # noqa: E402
-from kiln.kernels.sampling import SamplingMetadata, sample  # noqa: E402
+from kiln.kernels.sampling import BLOCK_V, NUM_PIVOTS, SamplingMetadata, sample  # noqa: E402
 from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
@@ -330,10 +330,11 @@ def sweep_sampler(device: str) -> None:
     """The fused sampler's launch parameters (block width, warps, pivots) at served batch
     shapes, against the sort-based torch sampler: the data to choose the defaults by."""
     shapes = [(1, 49152), (16, 49152), (256, 49152), (1, 151936), (256, 151936)]
-    configs = [(bv, nw, 16) for bv in (1024, 2048, 4096) for nw in (4, 8, 16)]
-    configs += [(2048, 8, 8), (2048, 8, 32)]
+    default = (BLOCK_V, 8, NUM_PIVOTS)
+    configs = sorted({default, (1024, 8, 16), (1024, 8, 8), (2048, 8, 4), (2048, 16, 8),
+                      (4096, 8, 8), (4096, 16, 8), (8192, 16, 8)})
     if DRY:
-        shapes, configs = [(2, 3000)], [(1024, 8, 16)]
+        shapes, configs = [(2, 3000)], [default]
     for B, V in shapes:
         logits, md = serving_batch(B, V, device)
         want = sample(logits, md).token_ids
@@ -347,9 +348,9 @@ def sweep_sampler(device: str) -> None:
             times[bv, nw, piv] = bench(lambda bv=bv, nw=nw, piv=piv, x=logits, m=md: sample(
                 x, m, block_v=bv, num_warps=nw, num_pivots=piv))
         sort = bench(lambda x=logits, m=md: torch_sort_sampler(x, m))
-        default = times.get((1024, 8, 16), float("nan"))
         best = min(times, key=times.get)
-        line(f"sampler sweep {B} x {V}: default 1024/8/16", default, "ms",
+        line(f"sampler sweep {B} x {V}: default {'/'.join(map(str, default))}",
+             times.get(default, float("nan")), "ms",
              f"best {best[0]}/{best[1]}/{best[2]} {times[best]:.3f} ms; torch sort "
              f"{sort:.3f} ms")
         print("    " + "  ".join(f"{bv}/{nw}/{piv}={t:.3f}" for (bv, nw, piv), t
