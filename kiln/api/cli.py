@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
@@ -96,6 +97,15 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cluster_options(args):
+    """--replicas or --ray-address: the engines run on Ray Serve (kiln.cluster)."""
+    if args.replicas is None and args.ray_address is None:
+        return None
+    from kiln.cluster.options import ClusterOptions
+
+    return ClusterOptions(replicas=args.replicas or 1, ray_address=args.ray_address)
+
+
 def cmd_serve(args) -> int:
     from kiln.api.server import serve
     from kiln.api.state import ServeOptions
@@ -103,8 +113,13 @@ def cmd_serve(args) -> int:
     if args.deterministic:
         logging.getLogger("kiln").info(
             "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
+    cluster = cluster_options(args)
+    if cluster is not None and importlib.util.find_spec("ray") is None:
+        print("kiln serve: --replicas runs on Ray Serve, which is not installed: "
+              "pip install 'kiln[cluster]'", file=sys.stderr)
+        return 2
     options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling,
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout, cluster=cluster)
     return serve(args.model, options, args.host, args.port)
 
 
@@ -159,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests may take to finish before "
                             "they are ended (finish_reason \"abort\"); new requests get 503")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas on Ray Serve (each its own process and KV "
+                            "cache) behind this one endpoint, each request routed to the "
+                            "replica holding the longest cached prefix of its prompt (needs "
+                            "the `cluster` extra: pip install 'kiln[cluster]')")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: attach to this running Ray cluster (e.g. "
+                            "ray://head:10001 or auto) instead of starting one on this machine")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from kiln.cluster.options import ClusterOptions
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import AsyncEngine
@@ -28,6 +29,7 @@ class ServeOptions:
     engine: EngineOptions = EngineOptions()
     per_request_sampling: bool = False  # the sticky settings are the API's business
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may still take
+    cluster: ClusterOptions | None = None  # --replicas: engines on Ray Serve (kiln.cluster)
 
 
 class ServerState:
@@ -49,11 +51,17 @@ class ServerState:
         The old engine is stopped only once the new model has loaded: a load that fails
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
-        loaded, engine = build_engine(name, self.options.engine)
+        if self.options.cluster is not None:  # the same interface, over Ray Serve replicas
+            from kiln.cluster.launch import start_cluster
+
+            loaded, engine = start_cluster(name, self.options.engine, self.options.cluster,
+                                           previous=self.engine)
+        else:
+            loaded, engine = build_engine(name, self.options.engine)
         if self.engine is not None:
             self.engine.shutdown()
         self.loaded, self.config = loaded, engine.config
-        self.engine = AsyncEngine(engine)
+        self.engine = engine if self.options.cluster is not None else AsyncEngine(engine)
         self.settings = SamplingSettings(loaded.defaults,
                                          per_request=self.options.per_request_sampling)
         config = self.config

@@ -85,6 +85,20 @@ class EngineStats:
         return self.kv_total_blocks - self.kv_free_blocks
 
 
+def check_context(config: EngineConfig, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """The context first (the contract's error), then the KV pool: a request must fit in
+    the whole pool alone, or it could never run. (A function of the config alone, so an
+    ingress without an engine, kiln.cluster's, checks exactly as the engine does.)"""
+    ctx, kv_tokens = config.ctx_len, config.num_blocks * config.block_size
+    if num_prompt_tokens >= ctx or (max_tokens is not None
+                                    and num_prompt_tokens + max_tokens > ctx):
+        raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
+                                 max_tokens=max_tokens, ctx_len=ctx)
+    if num_prompt_tokens + (max_tokens or 1) > kv_tokens:
+        raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+                                   kv_cache_tokens=kv_tokens)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded, self.config = loaded, config
@@ -124,17 +138,7 @@ class LLMEngine:
         return self.config.num_blocks * self.config.block_size
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """The context first (the contract's error), then the KV pool: a request must fit
-        in the whole pool alone, or it could never run."""
-        ctx = self.config.ctx_len
-        if num_prompt_tokens >= ctx or (max_tokens is not None
-                                        and num_prompt_tokens + max_tokens > ctx):
-            raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
-                                     max_tokens=max_tokens, ctx_len=ctx)
-        if num_prompt_tokens + (max_tokens or 1) > self.kv_cache_tokens:
-            raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens,
-                                       max_tokens=max_tokens,
-                                       kv_cache_tokens=self.kv_cache_tokens)
+        check_context(self.config, num_prompt_tokens, max_tokens)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, max_tokens: int | None = None,
