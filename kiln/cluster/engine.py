@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kiln.cluster.messages import EngineCall, ReplicaReport
 from kiln.cluster.prefix_index import prompt_block_hashes
@@ -37,6 +37,7 @@ class RoutingStats:
     prefix_hits: int = 0  # requests whose replica had a cached prefix of the prompt
     hit_tokens: int = 0  # prompt tokens read from the replicas' prefix caches
     prompt_tokens: int = 0
+    by_replica: dict[str, int] = field(default_factory=dict)  # requests each replica took
 
     @property
     def hit_rate(self) -> float:
@@ -50,7 +51,8 @@ class RoutingStats:
         return {"requests_routed": self.requests_routed, "prefix_hits": self.prefix_hits,
                 "hit_tokens": self.hit_tokens, "prompt_tokens": self.prompt_tokens,
                 "hit_rate": round(self.hit_rate, 4),
-                "token_hit_rate": round(self.token_hit_rate, 4)}
+                "token_hit_rate": round(self.token_hit_rate, 4),
+                "by_replica": dict(self.by_replica)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,7 @@ class ClusterEngine:
 
     def routing_stats(self) -> RoutingStats:
         """Routing counters since start (a copy): requests routed, prefix hits, hit tokens."""
-        return RoutingStats(**vars(self.routing))
+        return replace(self.routing, by_replica=dict(self.routing.by_replica))
 
     def cluster_health(self) -> dict:
         """/health's `cluster` block: each live replica as last reported, and the routing."""
@@ -154,6 +156,7 @@ class ClusterEngine:
         r.prompt_tokens += first.num_prompt_tokens
         r.hit_tokens += first.num_cached_tokens
         r.prefix_hits += first.num_cached_tokens > 0
+        r.by_replica[replica_id] = r.by_replica.get(replica_id, 0) + 1
 
     def _ended(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
