@@ -50,19 +50,26 @@ def test_each_replica_forgets_its_least_recently_sent_blocks_at_its_pool_size():
 
 
 def test_the_longest_match_wins_whatever_the_order():
-    cands = [Candidate("a", 1, 0, 10), Candidate("b", 3, 2, 50), Candidate("c", 0, 0, 0)]
-    assert rank_replicas(cands, imbalance=4) == [["b"], ["a"], ["c"]]
+    cands = [Candidate("a", 3, 0, 10), Candidate("b", 4, 2, 50), Candidate("c", 0, 0, 0)]
+    assert rank_replicas(cands, prompt_blocks=4, imbalance=4) == [["b"], ["a"], ["c"]]
 
 
 def test_load_wins_when_the_matching_replica_is_too_busy():
     cands = [Candidate("a", 5, 7, 10), Candidate("b", 0, 2, 10)]
-    assert rank_replicas(cands, imbalance=5)[0] == ["a"]  # 5 more than b: still allowed
-    assert rank_replicas(cands, imbalance=4)[0] == ["b"]  # 5 more than b: too busy
+    assert rank_replicas(cands, 5, imbalance=5)[0] == ["a"]  # 5 more than b: still allowed
+    assert rank_replicas(cands, 5, imbalance=4)[0] == ["b"]  # 5 more than b: too busy
+
+
+def test_a_match_of_less_than_half_the_prompt_does_not_count():
+    # A shared system prompt (2 blocks) ahead of a new 30-block document: spread by load.
+    cands = [Candidate("a", 2, 1, 40), Candidate("b", 0, 0, 10)]
+    assert rank_replicas(cands, prompt_blocks=32, imbalance=4)[0] == ["b"]
+    assert rank_replicas(cands, prompt_blocks=4, imbalance=4)[0] == ["a"]  # half: it counts
 
 
 def test_without_a_match_the_least_loaded_then_the_emptier_cache_wins():
     cands = [Candidate("a", 0, 1, 0), Candidate("b", 0, 0, 30), Candidate("c", 0, 0, 10)]
-    assert rank_replicas(cands, imbalance=4) == [["c"], ["b"], ["a"]]
+    assert rank_replicas(cands, 4, imbalance=4) == [["c"], ["b"], ["a"]]
 
 
 def test_a_gone_replica_is_forgotten():

@@ -60,9 +60,12 @@ class Cluster:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         t0 = time.perf_counter()
         if not ray.is_initialized():
+            # A local cluster leaves a core to this process (HTTP, tokenizing, the replicas'
+            # streams) where there are more cores than replicas.
+            cores = os.cpu_count() or 1
             ray.init(address=options.ray_address, include_dashboard=False,
                      logging_level=logging.WARNING,
-                     num_cpus=os.cpu_count() if options.ray_address is None else None)
+                     num_cpus=max(options.replicas, cores - 1) if self.owns_ray else None)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         # kiln's own Sanic app is the HTTP server: Serve's proxy is not started.
         serve.start(proxy_location="Disabled")

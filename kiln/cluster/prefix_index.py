@@ -65,24 +65,28 @@ class Candidate:
     cached_blocks: int  # how much its cache holds (for spreading new prefixes)
 
 
-def rank_replicas(candidates: Sequence[Candidate], imbalance: int) -> list[list[Hashable]]:
+def rank_replicas(candidates: Sequence[Candidate], prompt_blocks: int, imbalance: int,
+                  min_match: float = 0.5) -> list[list[Hashable]]:
     """The replicas in order of preference, best first (one per rank).
 
-    The longest prefix match wins unless its replica has more than `imbalance` requests
-    beyond the least loaded one: then load decides, and the match is given up (a prefix that
-    every prompt shares, such as a chat template's system prompt, must not pull every request
-    onto one replica). Among equal matches the less loaded wins, then the emptier cache, so
-    new prefixes spread over the replicas.
+    The longest prefix match wins if it covers at least `min_match` of the prompt's full
+    blocks and its replica has at most `imbalance` requests beyond the least loaded one;
+    otherwise load decides. A prefix that every prompt shares (a chat template's system
+    prompt) must not pull every new document onto one replica, nor every request onto one
+    busy replica. Among equal matches the less loaded wins, then the emptier cache, so new
+    prefixes spread over the replicas.
     """
     if not candidates:
         return []
     least = min(c.load for c in candidates)
 
-    def key(c: Candidate):
-        match = c.matched_blocks if c.load - least <= imbalance else 0
-        return (-match, c.load, c.cached_blocks)
+    def affinity(c: Candidate) -> int:
+        if c.load - least > imbalance or c.matched_blocks < min_match * prompt_blocks:
+            return 0
+        return c.matched_blocks
 
-    return [[c.replica] for c in sorted(candidates, key=key)]
+    return [[c.replica] for c in sorted(candidates,
+                                        key=lambda c: (-affinity(c), c.load, c.cached_blocks))]
 
 
 class PrefixIndex:

@@ -18,12 +18,14 @@ from kiln.cluster.prefix_index import Candidate, PrefixIndex, rank_replicas
 class PrefixAwareRouter(RequestRouter):
     """No FIFO mixin: a routing task fulfils the very request it ranked replicas for."""
 
-    def initialize_state(self, capacity_blocks: int = 1 << 16, imbalance: int = 4) -> None:
+    def initialize_state(self, capacity_blocks: int = 1 << 16, imbalance: int = 4,
+                         min_match: float = 0.5) -> None:
         """capacity_blocks: a replica's KV pool in blocks (what its cache can hold);
         imbalance: how many more requests than the least loaded replica a prefix match may
-        send to its replica before load wins."""
+        send to its replica before load wins; min_match: the part of a prompt's blocks a
+        match must cover to count (prefix_index.rank_replicas)."""
         self.index = PrefixIndex(capacity_blocks)
-        self.imbalance = imbalance
+        self.imbalance, self.min_match = imbalance, min_match
         self.loads: dict[ReplicaID, int] = {}
         self.placed: dict[str, ReplicaID] = {}  # internal request id -> its replica
 
@@ -37,7 +39,7 @@ class PrefixAwareRouter(RequestRouter):
         candidates = [Candidate(rid, self.index.matched_blocks(rid, hashes),
                                 self.loads.get(rid, 0), len(self.index.of(rid)))
                       for rid in by_id]
-        ranks = rank_replicas(candidates, self.imbalance)
+        ranks = rank_replicas(candidates, len(hashes), self.imbalance, self.min_match)
         if ranks:
             # Placed now, not once the replica has taken it: the requests routed meanwhile
             # (a burst is ranked before any is sent) must see this one's load and prefix.

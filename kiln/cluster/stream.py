@@ -47,6 +47,7 @@ class ClusterStream:
         self.arrival = time.monotonic()
         self.queue: asyncio.Queue[RequestOutput | StreamFailed] = asyncio.Queue()
         self.last: RequestOutput | None = None
+        self.first_token_time: float | None = None
         self.replica_id: str | None = None
         self.finished = self.aborted = False
         self.response = send()
@@ -84,11 +85,12 @@ class ClusterStream:
             self.on_end(self.request_id)  # (again from the reader: on_end is idempotent)
 
     def _local_times(self, out: RequestOutput) -> RequestOutput:
-        """The replica's monotonic times, re-based on this process's clock (the usage block
-        subtracts them from times taken here; the replica may be another machine)."""
-        first = None if out.first_token_time is None \
-            else self.arrival + out.first_token_time - out.arrival_time
-        return replace(out, arrival_time=self.arrival, first_token_time=first)
+        """Times on this process's clock, as the client sees them: arrival when the ingress
+        took the request, the first token when it got here (the usage block subtracts them
+        from times taken here; the replica may be another machine, with its own clock)."""
+        if out.first_token_time is not None and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        return replace(out, arrival_time=self.arrival, first_token_time=self.first_token_time)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
