@@ -9,6 +9,7 @@ block's cached_tokens, a cold one does not.
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -52,10 +53,13 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = KilnServer(tmp_path_factory.mktemp("kiln-cluster"), "--replicas", "2",
-                   "--kv-cache-tokens", "2048", "--ctx-len", "512")
+                   "--kv-cache-tokens", "2048", "--ctx-len", "512", "--shutdown-timeout", "1")
     with s:
+        s.ray_pids = descendants(s.proc.pid)
         yield s
-        ray_pids = descendants(s.proc.pid)
+        if s.proc.poll() is None:
+            s.ray_pids |= descendants(s.proc.pid)
+    ray_pids = s.ray_pids
     assert ray_pids, "the Ray cluster's processes should run under the server"
     deadline = time.monotonic() + 30
     while any(alive(p) for p in ray_pids) and time.monotonic() < deadline:
@@ -169,7 +173,7 @@ def test_sticky_settings_hold_across_replicas(server, client):
 
 
 def _stream_until_error(server, body: dict, on_first) -> list[str]:
-    """Raw SSE lines of a stream; on_first() runs after its first chunk."""
+    """Raw SSE lines of a stream, to its end; on_first() runs after its first chunk."""
     lines = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                       timeout=httpx.Timeout(30.0)) as r:
@@ -217,3 +221,16 @@ def test_a_dead_replica_loses_no_later_request_and_is_replaced(server, client):
         time.sleep(0.5)
     else:
         pytest.fail(f"the dead replica was not replaced: {server.health()['cluster']}")
+
+
+def test_sigterm_ends_a_running_stream_with_abort_and_stops_the_cluster(server):
+    # Last: it stops the server (the fixture then checks that no Ray process is left).
+    server.ray_pids |= descendants(server.proc.pid)  # with the replaced replica
+    lines = _stream_until_error(server, {"model": MODEL, "prompt": COUNTING, "max_tokens": 400,
+                                         "temperature": 0, "stream": True},
+                                on_first=lambda: server.proc.send_signal(signal.SIGTERM))
+    assert lines[-1] == "data: [DONE]"
+    finishes = [json.loads(x[5:])["choices"][0]["finish_reason"] for x in lines[:-1]]
+    assert finishes[-1] == "abort" and finishes.count("abort") == 1, finishes[-3:]
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.log_text()

@@ -124,13 +124,14 @@ def _model_card(name: str, defaults, ctx_len: int, loaded: bool) -> dict:
 
 
 def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
+    from kiln.cluster.options import ClusterError
     from kiln.runtime.store.gguf_file import ModelLoadError
     from kiln.runtime.store.pull import PullError
 
     state = ServerState(options)
     try:
         state.load(model)
-    except (PullError, ModelLoadError) as exc:
+    except (PullError, ModelLoadError, ClusterError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 1
     app = create_app(state)

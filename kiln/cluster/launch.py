@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kiln.cluster.engine import ClusterEngine
 from kiln.cluster.messages import ReplicaReport
-from kiln.cluster.options import ClusterOptions
+from kiln.cluster.options import ClusterError, ClusterOptions
 from kiln.cluster.replica import KilnReplica
 from kiln.runtime.engine.bootstrap import EngineOptions
 from kiln.runtime.engine.config import EngineConfig
@@ -85,7 +85,13 @@ class Cluster:
         n = self.options.replicas
         resources = ray.cluster_resources()
         cpus = max(1, int(resources.get("CPU", 1)) // n)
-        gpus = 1 if resources.get("GPU", 0) >= n else 0
+        gpus = min(1.0, resources.get("GPU", 0) / n)
+        if 0 < gpus < 1 and engine.kv_cache_tokens is None:
+            # Each replica would size its KV pool from the GPU's free memory, which the
+            # others are filling at the same time.
+            raise ClusterError(f"--replicas {n} on {resources['GPU']:g} GPUs: the replicas "
+                               "would share a GPU; give each its KV pool with "
+                               "--kv-cache-tokens, or run one replica per GPU")
         app = serve.deployment(KilnReplica, name="KilnReplica").options(
             num_replicas=n, max_ongoing_requests=MAX_ONGOING_REQUESTS,
             ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
@@ -100,7 +106,7 @@ class Cluster:
         t0 = time.perf_counter()
         self.handle = serve.run(app, name=self.options.app_name, route_prefix=None)
         log.info("[kiln]  %d replicas of %s up in %.1f s (%d CPUs%s each)", n, model,
-                 time.perf_counter() - t0, cpus, ", 1 GPU" if gpus else "")
+                 time.perf_counter() - t0, cpus, f", {gpus:g} GPU" if gpus else "")
 
     def reports(self) -> list[ReplicaReport]:
         return self.handle.broadcast("report").results(timeout_s=60)

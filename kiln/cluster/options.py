@@ -17,3 +17,7 @@ class ClusterOptions:
             raise ValueError(f"--replicas {self.replicas} must be at least 1")
         if self.imbalance < 0:
             raise ValueError(f"imbalance {self.imbalance} must be >= 0")
+
+
+class ClusterError(RuntimeError):
+    """A cluster the replicas cannot run on as asked; the message is for the user."""

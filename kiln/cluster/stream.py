@@ -65,6 +65,8 @@ class ClusterStream:
                             self.queue.put_nowait(self._local_times(out))
                     return
                 except REPLICA_LOST as exc:
+                    if self.aborted:
+                        return
                     if self.replica_id is None and self.retries > 0:
                         self.retries -= 1
                         log.warning("[kiln]  Request %s: its replica was lost before its first "
@@ -78,6 +80,8 @@ class ClusterStream:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug on the replica: its traceback is in its log
+            if self.aborted:  # Serve's RequestCancelledError: the abort reached the call
+                return
             log.error("[kiln]  Request %s failed on replica %s: %r", self.request_id,
                       self.replica_id, exc)
             self.queue.put_nowait(StreamFailed("The engine replica failed."))
