@@ -20,6 +20,7 @@ import pytest
 from api_server import MODEL, KilnServer
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
+pytestmark = pytest.mark.slow
 
 BS = 16  # the KV cache's block size
 
