@@ -62,8 +62,9 @@ class Cluster:
         if not ray.is_initialized():
             # A local cluster leaves a core to this process (HTTP, tokenizing, the replicas'
             # streams) where there are more cores than replicas.
+            # "local": a cluster of its own, even where `ray start` left one to find.
             cores = os.cpu_count() or 1
-            ray.init(address=options.ray_address, include_dashboard=False,
+            ray.init(address=options.ray_address or "local", include_dashboard=False,
                      logging_level=logging.WARNING,
                      num_cpus=max(options.replicas, cores - 1) if self.owns_ray else None)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
