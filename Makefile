@@ -17,8 +17,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	if ! nvidia-smi >/dev/null 2>&1; then $(PIP) torch==2.13.0 2>&1 | grep -v 'is ignored' || true; fi
-	$(PIP) -e '.[dev]' 2>&1 | grep -v 'is ignored' || true
-	$(PY) -c 'import torch, triton, sanic, gguf, tokenizers, xgrammar'
+	$(PIP) -e '.[dev,cluster]' 2>&1 | grep -v 'is ignored' || true
+	$(PY) -c 'import torch, triton, sanic, gguf, tokenizers, xgrammar, ray.serve'
 	touch $(STAMP)
 
 test: $(STAMP)

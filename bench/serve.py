@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-PROMPT_SETS = ("short", "long", "shared-prefix")
+PROMPT_SETS = ("short", "long", "shared-prefix", "prefixes")
+NUM_PREFIXES = 4  # the `prefixes` set: requests cycle through this many long prefixes
 SHORT_PROMPTS = [
     "What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
     "Write a haiku about the sea.", "Explain what a CPU cache is in two sentences.",
@@ -124,8 +125,10 @@ def make_prompt(kind: str, index: int, cfg: BenchConfig) -> list[dict]:
         text = order[index % len(order)]
     elif kind == "long":  # different from its first word on, so no prefix is shared
         text = f"Text {index}: {words(rng, cfg.long_tokens)}\n\nSummarize the text above."
-    else:  # shared-prefix: one long prefix for all requests, a different question each
-        prefix = words(random.Random(f"{cfg.seed}:prefix"), cfg.long_tokens)
+    else:  # shared-prefix: one long prefix for all requests, a different question each;
+        # prefixes: request i has long prefix i % NUM_PREFIXES (several users' documents)
+        which = index % NUM_PREFIXES if kind == "prefixes" else ""
+        prefix = words(random.Random(f"{cfg.seed}:prefix{which}"), cfg.long_tokens)
         text = f"{prefix}\n\nQuestion {index}: which of these words is about {words(rng, 3)}?"
     return [{"role": "user", "content": text}]
 
@@ -218,10 +221,16 @@ def level_result(kind: str, concurrency: int, results: list[RequestResult], wall
         requests=[r.row() for r in results])
 
 
+def warmups(kind: str, cfg: BenchConfig) -> int:
+    """Unmeasured requests first: for `prefixes`, at least one per prefix (each in a cache)."""
+    return max(cfg.warmup, NUM_PREFIXES) if kind == "prefixes" else cfg.warmup
+
+
 async def run_bench(cfg: BenchConfig, quiet: bool = False) -> list[LevelResult]:
     """Each prompt set at each concurrency level; request indices never repeat within a set,
     so a level never finds the previous level's prompts in a prefix cache."""
-    total = len(cfg.prompt_sets) * (cfg.warmup + sum(map(cfg.requests_at, cfg.concurrency)))
+    total = sum(warmups(kind, cfg) + sum(map(cfg.requests_at, cfg.concurrency))
+                for kind in cfg.prompt_sets)
     # A connection per request: llama-server closes idle keep-alive connections, and a request
     # sent on one as it closes fails with no response; a loopback connect costs ~0.1 ms.
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=0)
@@ -231,7 +240,7 @@ async def run_bench(cfg: BenchConfig, quiet: bool = False) -> list[LevelResult]:
                                      headers={"Authorization": "Bearer bench"}) as client:
             for kind in cfg.prompt_sets:
                 # Warm-up requests use negative indices: never a measured prompt.
-                warm = [make_prompt(kind, -1 - i, cfg) for i in range(cfg.warmup)]
+                warm = [make_prompt(kind, -1 - i, cfg) for i in range(warmups(kind, cfg))]
                 bar.set_postfix_str(f"{kind} warm-up")
                 await run_batch(client, cfg, warm, 1, bar)
                 index = 0

@@ -39,7 +39,7 @@ def test_choices_after_the_first_read_the_prompt_from_its_prefill(make_engine):
     sampling = SamplingParams(temperature=0.9, seed=11)
     leader = engine.make_request("c0", prompt, sampling, max_tokens=6, ignore_eos=True)
     siblings = [engine.make_request(f"c{i}", prompt, SamplingParams(temperature=0.9, seed=11 + i),
-                                    max_tokens=6, ignore_eos=True, prefill_leader=leader)
+                                    max_tokens=6, ignore_eos=True, prefill_leader="c0")
                 for i in (1, 2)]
     for r in [leader, *siblings]:
         engine.add_request(r)
@@ -62,7 +62,7 @@ def test_a_sibling_whose_leader_is_aborted_runs_alone(make_engine, golden):
     engine = make_engine()
     prompt = golden[1]["prompt_ids"]
     leader = engine.make_request("l", prompt, GREEDY, max_tokens=3)
-    sibling = engine.make_request("s", prompt, GREEDY, max_tokens=3, prefill_leader=leader)
+    sibling = engine.make_request("s", prompt, GREEDY, max_tokens=3, prefill_leader="l")
     engine.add_request(leader)
     engine.add_request(sibling)
     engine.abort("l")

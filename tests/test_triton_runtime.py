@@ -139,7 +139,7 @@ def test_bias_min_tokens_prompt_logprobs_and_choices_match_the_cpu_engine(engine
                                      min_tokens=4, prompt_logprobs=2,
                                      stop_token_ids=frozenset(eos))
         sibling = engine.make_request("b", prompt, SamplingParams(temperature=0.0),
-                                      max_tokens=3, num_top_logprobs=1, prefill_leader=leader,
+                                      max_tokens=3, num_top_logprobs=1, prefill_leader="a",
                                       logit_bias=((eos[0], float("-inf")),))
         for r in (leader, sibling):
             engine.add_request(r)

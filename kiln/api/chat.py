@@ -87,7 +87,7 @@ def submit_choices(state: ServerState, prefix: str, prompts: list[list[int]], re
     request_id = request_id or new_id(prefix)
     gens = []
     for p, ids in enumerate(prompts):
-        leader = None
+        leader = None  # the request id of the prompt's choice 0
         for i in range(n):
             choice = p * n + i
             rid = request_id if choice == 0 else f"{request_id}-{choice}"
@@ -98,7 +98,7 @@ def submit_choices(state: ServerState, prefix: str, prompts: list[list[int]], re
                 stop=list(req.stop), logit_bias=req.logit_bias, min_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos, prefill_leader=leader,
                 prompt_logprobs=prompt_logprobs if i == 0 else None, **engine_kw)
-            leader = leader or stream.request
+            leader = leader or rid
             gens.append(Generation(rid, stream, make_assembler(), state))
     return gens
 

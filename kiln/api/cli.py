@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -100,6 +101,15 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cluster_options(args):
+    """--replicas or --ray-address: the engines run on Ray Serve (kiln.cluster)."""
+    if args.replicas is None and args.ray_address is None:
+        return None
+    from kiln.cluster.options import ClusterOptions
+
+    return ClusterOptions(replicas=args.replicas or 1, ray_address=args.ray_address)
+
+
 def cmd_serve(args) -> int:
     from pathlib import Path
 
@@ -113,9 +123,15 @@ def cmd_serve(args) -> int:
             "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
     dirs = tuple(Path(d.strip()).expanduser() for arg in args.models_dir or ()
                  for d in arg.split(",") if d.strip()) or (default_models_dir(),)
+    cluster = cluster_options(args)
+    if cluster is not None and importlib.util.find_spec("ray") is None:
+        print("kiln serve: --replicas runs on Ray Serve, which is not installed: "
+              "pip install 'kiln[cluster]'", file=sys.stderr)
+        return 2
     options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling,
                            shutdown_timeout=args.shutdown_timeout, models_dirs=dirs,
-                           access=AccessPolicy.from_flags(args.api_key, args.allowed_origins))
+                           access=AccessPolicy.from_flags(args.api_key, args.allowed_origins),
+                           cluster=cluster)
     return serve(args.model, options, args.host, args.port)
 
 
@@ -181,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a directory whose .gguf files requests may name by file name or "
                             "stem (repeatable or comma-separated; default: the model cache, "
                             "where kiln pull puts files); requests never name a path")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas on Ray Serve (each its own process and KV "
+                            "cache) behind this one endpoint, each request routed to the "
+                            "replica holding the longest cached prefix of its prompt (needs "
+                            "the `cluster` extra: pip install 'kiln[cluster]')")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: attach to this running Ray cluster (e.g. "
+                            "ray://head:10001 or auto) instead of starting one on this machine")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

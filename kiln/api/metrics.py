@@ -70,8 +70,35 @@ class EngineCollector:
                                   "blocks.", value=r.num_preemptions + s.num_preemptions)
 
 
+class RoutingCollector:
+    """`kiln serve --replicas`: how often a request went to a replica that held part of its
+    prompt (kiln.cluster's RoutingStats, read when Prometheus scrapes; nothing otherwise)."""
+
+    def __init__(self, routing: Callable[[], object | None]):
+        self.routing = routing
+
+    def collect(self) -> Iterable[Metric]:
+        r = self.routing()
+        if r is None:
+            return
+        yield CounterMetricFamily("kiln:cluster_requests_routed", "Requests routed to a "
+                                  "replica.", value=r.requests_routed)
+        yield CounterMetricFamily("kiln:cluster_prefix_hits", "Requests routed to a replica "
+                                  "that held a prefix of their prompt.", value=r.prefix_hits)
+        yield CounterMetricFamily("kiln:cluster_prefix_hit_tokens", "Prompt tokens read from "
+                                  "the chosen replicas' prefix caches.", value=r.hit_tokens)
+        yield CounterMetricFamily("kiln:cluster_prompt_tokens", "Prompt tokens of routed "
+                                  "requests.", value=r.prompt_tokens)
+        by_replica = CounterMetricFamily("kiln:cluster_replica_requests", "Requests each "
+                                         "replica took.", labels=["replica"])
+        for replica, n in sorted(r.by_replica.items()):
+            by_replica.add_metric([replica], n)
+        yield by_replica
+
+
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]):
+    def __init__(self, engine_stats: Callable[[], EngineStats | None],
+                 routing_stats: Callable[[], object | None] = lambda: None):
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
         self.http_requests = Counter("kiln:http_requests", "HTTP responses by route, method "
@@ -93,6 +120,7 @@ class Metrics:
                              registry=reg)
         self.retired = RetiredCounts()
         reg.register(EngineCollector(engine_stats, self.retired))
+        reg.register(RoutingCollector(routing_stats))
 
     def request_finished(self, t: Totals, finish_reason: str) -> None:
         """One generation has ended (finished, stopped, or its client gone)."""

@@ -84,9 +84,12 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     async def health(request):
         loaded = state.loaded
         free, total = state.engine.kv_blocks() if state.engine else (0, 0)
-        return json({"status": "draining" if state.draining else "ok",
-                     "model": loaded.name if loaded else None, "in_flight": state.in_flight,
-                     "kv_free_blocks": free, "kv_total_blocks": total})
+        body = {"status": "draining" if state.draining else "ok",
+                "model": loaded.name if loaded else None, "in_flight": state.in_flight,
+                "kv_free_blocks": free, "kv_total_blocks": total}
+        if hasattr(state.engine, "cluster_health"):  # --replicas: replicas and routing
+            body["cluster"] = state.engine.cluster_health()
+        return json(body)
 
     @app.post("/api/load")
     async def load(request):
@@ -119,13 +122,14 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
 
 
 def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
+    from kiln.cluster.options import ClusterError
     from kiln.runtime.store.gguf_file import ModelLoadError
     from kiln.runtime.store.pull import PullError
 
     state = ServerState(options)
     try:
         state.start(model)
-    except (PullError, ModelLoadError) as exc:
+    except (PullError, ModelLoadError, ClusterError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 1
     app = create_app(state)

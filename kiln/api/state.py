@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kiln.api.access import AccessPolicy
 from kiln.api.metrics import Metrics
+from kiln.cluster.options import ClusterOptions
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import AsyncEngine
@@ -37,6 +38,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may still take
     models_dirs: tuple[Path, ...] = field(default_factory=lambda: (default_models_dir(),))
     access: AccessPolicy = AccessPolicy()  # --api-key, --allowed-origins
+    cluster: ClusterOptions | None = None  # --replicas: engines on Ray Serve (kiln.cluster)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class ServerState:
     def __init__(self, options: ServeOptions):
         self.options = options
         self.model_dirs = ModelDirs(tuple(options.models_dirs))
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine else None)
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine else None,
+                               self._routing_stats)
         self.loaded: LoadedModel | None = None
         self.loaded_ref: ModelRef | None = None
         self.startup: ModelRef | None = None  # the operator's model, from the command line
@@ -78,19 +81,30 @@ class ServerState:
         The old engine is stopped only once the new model has loaded: a load that fails
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
-        loaded, engine = build_engine(ref.source, self.options.engine)
+        if self.options.cluster is not None:  # the same interface, over Ray Serve replicas
+            from kiln.cluster.launch import start_cluster
+
+            loaded, engine = start_cluster(ref.source, self.options.engine,
+                                           self.options.cluster, previous=self.engine)
+        else:
+            loaded, engine = build_engine(ref.source, self.options.engine)
         loaded.name = ref.name  # a models-directory file is known by its file name
         if self.engine is not None:
             self.metrics.engine_retired(self.engine.stats())
             self.engine.shutdown()
         self.loaded, self.loaded_ref, self.config = loaded, ref, engine.config
-        self.engine = AsyncEngine(engine)
+        self.engine = engine if self.options.cluster is not None else AsyncEngine(engine)
         self.settings = SamplingSettings(loaded.defaults,
                                          per_request=self.options.per_request_sampling)
         config = self.config
         log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
                  "(%d blocks of %d)", ref.name, config.ctx_len, config.prefill_chunk_len,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)
+
+    def _routing_stats(self):
+        """kiln.cluster's routing counters; None for a single engine."""
+        routing = getattr(self.engine, "routing_stats", None)
+        return routing() if routing is not None else None
 
     def resolve(self, name: str) -> ModelRef:
         """The model a client's name means. Only a listing of the model directories is

@@ -27,6 +27,8 @@ class EngineOptions:
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
+    threads: int | None = None  # CPU kernels' threads; None: one per core (a cluster
+    # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -36,7 +38,8 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, resolve_dtype(options.dtype, cuda))
-    loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype)
+    loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype,
+                        threads=options.threads)
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,

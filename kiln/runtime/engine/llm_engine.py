@@ -85,6 +85,29 @@ class EngineStats:
         return self.kv_total_blocks - self.kv_free_blocks
 
 
+def check_context(config: EngineConfig, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """The context first (the contract's error), then the KV pool: a request must fit in
+    the whole pool alone, or it could never run. (A function of the config alone, so an
+    ingress without an engine, kiln.cluster's, checks exactly as the engine does.)"""
+    ctx, kv_tokens = config.ctx_len, config.num_blocks * config.block_size
+    if num_prompt_tokens >= ctx or (max_tokens is not None
+                                    and num_prompt_tokens + max_tokens > ctx):
+        raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
+                                 max_tokens=max_tokens, ctx_len=ctx)
+    if num_prompt_tokens + (max_tokens or 1) > kv_tokens:
+        raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
+                                   kv_cache_tokens=kv_tokens)
+
+
+def check_logit_bias(logit_bias, vocab_size: int) -> None:
+    """A bias on a token the model does not have is a 400 (the API cannot know the size)."""
+    bad = [t for t, _ in logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"Invalid 'logit_bias': token id {bad[0]} is outside the "
+                                  f"vocabulary (size {vocab_size}).", param="logit_bias",
+                                  code="invalid_value")
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig):
         self.loaded, self.config = loaded, config
@@ -124,17 +147,7 @@ class LLMEngine:
         return self.config.num_blocks * self.config.block_size
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """The context first (the contract's error), then the KV pool: a request must fit
-        in the whole pool alone, or it could never run."""
-        ctx = self.config.ctx_len
-        if num_prompt_tokens >= ctx or (max_tokens is not None
-                                        and num_prompt_tokens + max_tokens > ctx):
-            raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
-                                     max_tokens=max_tokens, ctx_len=ctx)
-        if num_prompt_tokens + (max_tokens or 1) > self.kv_cache_tokens:
-            raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens,
-                                       max_tokens=max_tokens,
-                                       kv_cache_tokens=self.kv_cache_tokens)
+        check_context(self.config, num_prompt_tokens, max_tokens)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, max_tokens: int | None = None,
@@ -144,18 +157,13 @@ class LLMEngine:
                      grammar_prefix: str = "", stop: list[str] | None = None,
                      logit_bias: tuple[tuple[int, float], ...] = (), min_tokens: int = 0,
                      prompt_logprobs: int | None = None,
-                     prefill_leader: Request | None = None) -> Request:
+                     prefill_leader: str | None = None) -> Request:
         """Validate against the context and the KV pool; the prompt is never truncated. A
         reply without max_tokens ends ("length") where the context or the pool is full."""
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.check_context(len(prompt_token_ids), max_tokens)
-        vocab_size = self.loaded.config.vocab_size
-        bad = [t for t, _ in logit_bias if t >= vocab_size]
-        if bad:
-            raise InvalidRequestError(f"Invalid 'logit_bias': token id {bad[0]} is outside "
-                                      f"the vocabulary (size {vocab_size}).",
-                                      param="logit_bias", code="invalid_value")
+        check_logit_bias(logit_bias, self.loaded.config.vocab_size)
         room = min(self.config.ctx_len, self.kv_cache_tokens) - len(prompt_token_ids)
         state = GrammarState(grammar, grammar_prefix, self.grammars.token_bytes) \
             if grammar is not None else None
@@ -168,11 +176,13 @@ class LLMEngine:
             logit_bias=tuple(logit_bias), min_tokens=min_tokens,
             prompt_logprobs=prompt_logprobs,
             prompt_logprob_entries=[None] if prompt_logprobs is not None else [],
-            prefill_leader=prefill_leader,
+            prefill_leader_id=prefill_leader,
             grammar=state, stop_strings=StopStringChecker(self.loaded.tokenizer, stop)
             if any(stop or ()) else None)
 
     def add_request(self, req: Request) -> None:
+        if req.prefill_leader_id is not None:
+            req.prefill_leader = self.requests.get(req.prefill_leader_id)
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
 

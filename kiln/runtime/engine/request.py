@@ -75,7 +75,10 @@ class Request:
     # so it never takes prefix-cache hits. None = not asked; else the top-N per token.
     prompt_logprobs: int | None = None
     # n > 1: a sibling waits for the first choice's prefill, then takes its prompt's full
-    # blocks from the prefix cache instead of prefilling them again.
+    # blocks from the prefix cache instead of prefilling them again. The leader is named by
+    # its id (the API thread, or another process, cannot hold the engine's Request) and found
+    # when the sibling is added; a leader the engine does not hold is no leader.
+    prefill_leader_id: str | None = None
     prefill_leader: Request | None = None
     window_prefix: list[int] = field(default_factory=list)  # carried from a cached reply
     grammar: GrammarState | None = None  # structured output; stepped by the engine thread

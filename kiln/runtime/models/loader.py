@@ -64,15 +64,17 @@ class LoadedModel:
 
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               use_triton: bool = False, backend=None) -> LoadedModel:
+               use_triton: bool = False, backend=None, threads: int | None = None
+               ) -> LoadedModel:
     """backend: where the model runs (runtime/backends); by default the CPU kernels on a
-    CPU (bf16 products with dtype=torch.bfloat16), torch on dense weights otherwise."""
+    CPU (bf16 products with dtype=torch.bfloat16, on `threads` threads), torch on dense
+    weights otherwise."""
     t0 = time.perf_counter()
     path, entry = resolve_model(name)
     gf = open_gguf(path)
     family = ARCHITECTURES[gf.arch]
     config = family.read_config(gf)
-    backend = backend or make_backend(device, dtype, use_triton)
+    backend = backend or make_backend(device, dtype, use_triton, threads)
     try:
         model = family.build(config, gf, backend)
     except ValueError as exc:  # a tensor type no backend kernel reads, a bad shape
