@@ -38,7 +38,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kiln.kernels.attention import paged_attention, paged_attention_ref  # noqa: E402
-from kiln.kernels.sampling import BLOCK_V, NUM_PIVOTS, SamplingMetadata, sample  # noqa: E402
+from kiln.kernels.sampling import (  # noqa: E402
+    BLOCK_V,
+    NUM_PIVOTS,
+    NUM_WARPS,
+    SamplingMetadata,
+    sample,
+)
 from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
@@ -330,7 +336,7 @@ def sweep_sampler(device: str) -> None:
     """The fused sampler's launch parameters (block width, warps, pivots) at served batch
     shapes, against the sort-based torch sampler: the data to choose the defaults by."""
     shapes = [(1, 49152), (16, 49152), (256, 49152), (1, 151936), (256, 151936)]
-    default = (BLOCK_V, 8, NUM_PIVOTS)
+    default = (BLOCK_V, NUM_WARPS, NUM_PIVOTS)
     configs = sorted({default, (1024, 8, 16), (1024, 8, 8), (2048, 8, 4), (2048, 16, 8),
                       (4096, 8, 8), (4096, 16, 8), (8192, 16, 8)})
     if DRY:

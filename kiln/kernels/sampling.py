@@ -30,12 +30,15 @@ from kiln.kernels import INTERPRET
 
 MAX_TOP_LOGPROBS = 20
 BLOCK_W = 128  # window (or bias) tokens per step of the fix-up loops (not from their length)
-# Launch defaults, measured on an H200 (bench/gpu_check.py --sampler-sweep, 2026-12-04): of
-# blocks 1024/2048/4096 x 4/8/16 warps x 8/16/32 pivots, 2048 x 8 warps x 8 pivots was the
-# fastest at every served shape (1 to 256 rows, vocab 49,152 and 151,936), 1.36-1.40x the
-# former 1024 x 8 x 16.
+# Launch defaults, measured on an H200 (bench/gpu_check.py --sampler-sweep, 2026-12-04, at
+# served shapes: 1 to 256 rows, vocab 49,152 and 151,936, the default model's settings): a
+# first sweep (blocks 1024/2048/4096 x 4/8/16 warps x 8/16/32 pivots) put 2048 x 8 warps x
+# 8 pivots first everywhere, 1.36-1.40x the former 1024 x 8 x 16; a second, around it, found
+# 16 warps 1.05-1.12x faster again at every shape (4096 x 16 is faster still at 1-16 rows,
+# slower at 256).
 BLOCK_V = 2048
 NUM_PIVOTS = 8
+NUM_WARPS = 16
 KEY_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)  # _ordered_key(-inf)
 
 
@@ -395,7 +398,7 @@ def check_inputs(logits: torch.Tensor, md: SamplingMetadata) -> None:
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: bool = False,
-           block_v: int | None = None, num_pivots: int = NUM_PIVOTS, num_warps: int = 8
+           block_v: int | None = None, num_pivots: int = NUM_PIVOTS, num_warps: int = NUM_WARPS
            ) -> SamplerOutput:
     """Fused sampler: one launch, one program per row. See the module docstring."""
     check_inputs(logits, metadata)
