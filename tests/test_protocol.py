@@ -6,12 +6,12 @@ import logging
 import pytest
 
 from kiln.api.errors import InternalServerError, error_body, error_response, http_status
+from kiln.api.json_fields import load_json_body
 from kiln.api.protocol import (
     ChatMessage,
     ResponseFormat,
     ToolCall,
     ToolChoice,
-    load_json_body,
     parse_chat_request,
     parse_completion_request,
 )

@@ -10,7 +10,8 @@ import time
 
 from kiln.api.chat import Generation, collect, interleave, prepare_chat, submit_choices
 from kiln.api.generation import OutputAssembler, combined_totals
-from kiln.api.protocol import load_json_body, parse_chat_request, parse_completion_request
+from kiln.api.json_fields import load_json_body
+from kiln.api.protocol import parse_chat_request, parse_completion_request
 from kiln.api.responses import completion_logprobs, system_fingerprint, usage
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response, send_sse

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 
 from kiln.api.chat import Generation, prepare_chat
+from kiln.api.json_fields import load_json_body
 from kiln.api.openai_responses_input import parse_responses_request
 from kiln.api.openai_responses_output import ResponseBuilder, new_response, responses_usage
-from kiln.api.protocol import load_json_body
 from kiln.api.responses import usage
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response, send_sse

@@ -17,12 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.api.protocol import (
-    ChatCompletionRequest,
-    invalid_type,
-    json_type_name,
-    parse_chat_request,
-)
+from kiln.api.json_fields import invalid_type, json_type_name, missing
+from kiln.api.protocol import ChatCompletionRequest, parse_chat_request
 from kiln.runtime.errors import InvalidRequestError
 
 # Sent at the top level (extra_body in the SDK) and read as the chat route reads them.
@@ -68,13 +64,8 @@ def _get(obj: dict, key: str, kind: type | tuple, expected: str, param: str):
 def _text(obj: dict, key: str, param: str, required: bool = False) -> str | None:
     v = _get(obj, key, str, "a string", param)
     if v is None and required:
-        raise _missing(param)
+        raise missing(param)
     return v
-
-
-def _missing(param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param,
-                               code="missing_required_parameter")
 
 
 def _unsupported(message: str, param: str) -> InvalidRequestError:
@@ -135,7 +126,7 @@ def _message(item: dict, param: str) -> dict:
                                   f"{', '.join(ROLES)}.", param=f"{param}.role",
                                   code="invalid_value")
     if item.get("content") is None:
-        raise _missing(f"{param}.content")
+        raise missing(f"{param}.content")
     content = _parts_text(item["content"], f"{param}.content")
     return {"role": "system" if role == "developer" else role, "content": content}
 
@@ -150,7 +141,7 @@ def _function_call(item: dict, param: str) -> dict:
 
 def _function_call_output(item: dict, param: str) -> dict:
     if item.get("output") is None:
-        raise _missing(f"{param}.output")
+        raise missing(f"{param}.output")
     output = _parts_text(item["output"], f"{param}.output", ("input_text",))
     message = {"role": "tool", "content": output}
     call_id = _text(item, "call_id", f"{param}.call_id")
@@ -174,7 +165,7 @@ def _reasoning(item: dict, param: str) -> list[str]:
 def _messages(body: dict) -> list[dict]:
     raw = body.get("input")
     if raw is None:
-        raise _missing("input")
+        raise missing("input")
     if isinstance(raw, str):
         items = [{"role": "user", "content": raw}]
     elif isinstance(raw, list):
@@ -267,7 +258,7 @@ def _text_format(body: dict) -> tuple[dict, dict | None]:
                                   code="invalid_value")
     schema = _get(fmt, "schema", dict, "an object", "text.format.schema")
     if schema is None:
-        raise _missing("text.format.schema")
+        raise missing("text.format.schema")
     name = _text(fmt, "name", "text.format.name") or "response"
     strict = _get(fmt, "strict", bool, "a boolean", "text.format.strict")
     echoed = {"type": "json_schema", "name": name, "schema": schema, "strict": strict}

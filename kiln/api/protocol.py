@@ -16,7 +16,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.runtime.errors import InvalidRequestError
+from kiln.api.json_fields import (
+    array,
+    bad,
+    boolean,
+    integer,
+    invalid_type,
+    json_object,
+    missing,
+    number,
+    require_object,
+    string,
+)
 from kiln.runtime.sampling.settings import SamplingFields
 
 MAX_TOP_LOGPROBS = 20  # chat
@@ -131,83 +142,6 @@ class CompletionRequest:
         return self.prompts[0]
 
 
-# --- JSON field readers: None when absent or null, a 400 naming the field when mistyped ---
-
-def json_type_name(value: object) -> str:
-    """How OpenAI names a JSON value's type in its error messages ("a string", ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
-    """A 400 for a known field of the wrong JSON type, worded like OpenAI's."""
-    return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} "
-        "instead.", param=param, code="invalid_type")
-
-
-
-def _number(obj: dict, key: str, param: str | None = None) -> float | None:
-    v = obj.get(key)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise invalid_type(param or key, "a number", v)
-    return v
-
-
-def _integer(obj: dict, key: str, param: str | None = None) -> int | None:
-    v = obj.get(key)
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-        raise invalid_type(param or key, "an integer", v)
-    return v
-
-
-def _typed(obj: dict, key: str, kind: type, expected: str, param: str | None = None):
-    v = obj.get(key)
-    if v is not None and not isinstance(v, kind):
-        raise invalid_type(param or key, expected, v)
-    return v
-
-
-def _boolean(obj: dict, key: str, param: str | None = None) -> bool | None:
-    return _typed(obj, key, bool, "a boolean", param)
-
-
-def _string(obj: dict, key: str, param: str | None = None) -> str | None:
-    return _typed(obj, key, str, "a string", param)
-
-
-def _object(obj: dict, key: str, param: str | None = None) -> dict | None:
-    return _typed(obj, key, dict, "an object", param)
-
-
-def _array(obj: dict, key: str, param: str | None = None) -> list | None:
-    return _typed(obj, key, list, "an array", param)
-
-
-def _missing(param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param,
-                               code="missing_required_parameter")
-
-
-def _bad(message: str, param: str, code: str | None = None) -> InvalidRequestError:
-    return InvalidRequestError(message, param=param, code=code)
-
-
 def _json_or_text(arguments: str) -> Any:
     try:
         parsed = json.loads(arguments)
@@ -216,65 +150,25 @@ def _json_or_text(arguments: str) -> Any:
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def load_json_body(raw: bytes | str) -> dict:
-    """Decode a request body; anything but a JSON object is a 400."""
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise InvalidRequestError("We could not parse the JSON body of your request.") from None
-    _check_unicode(body)
-    return _body(body)
-
-
-def _check_unicode(body: object) -> None:
-    """A `\\ud800` escape parses to a lone surrogate, which no tokenizer (and no UTF-8
-    response) can take: a 400 here, not an error deep in the request."""
-    stack = [body]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequestError("The request body contains a lone UTF-16 surrogate "
-                                          "(an unpaired \\ud800-\\udfff escape), which is "
-                                          "not valid Unicode text.") from None
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-
-
-def _body(body: object) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The request body must be a JSON object.")
-    return body
-
-
 # --- fields both endpoints share ---
 
 def _sampling(body: dict) -> SamplingFields:
     return SamplingFields(
-        temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
-        top_k=_integer(body, "top_k"), min_p=_number(body, "min_p"),
-        presence_penalty=_number(body, "presence_penalty"),
-        frequency_penalty=_number(body, "frequency_penalty"),
-        repetition_penalty=_number(body, "repetition_penalty"),
-        repeat_last_n=_integer(body, "repeat_last_n"), seed=_integer(body, "seed"),
-        think=_boolean(body, "think"), reasoning_effort=_string(body, "reasoning_effort"),
+        temperature=number(body, "temperature"), top_p=number(body, "top_p"),
+        top_k=integer(body, "top_k"), min_p=number(body, "min_p"),
+        presence_penalty=number(body, "presence_penalty"),
+        frequency_penalty=number(body, "frequency_penalty"),
+        repetition_penalty=number(body, "repetition_penalty"),
+        repeat_last_n=integer(body, "repeat_last_n"), seed=integer(body, "seed"),
+        think=boolean(body, "think"), reasoning_effort=string(body, "reasoning_effort"),
     )
 
 
 def _max_tokens(body: dict) -> int | None:
-    values = {key: _integer(body, key) for key in ("max_completion_tokens", "max_tokens")}
+    values = {key: integer(body, key) for key in ("max_completion_tokens", "max_tokens")}
     for key, v in values.items():
         if v is not None and v < 1:
-            raise _bad(f"Invalid '{key}': {v}. Expected a value >= 1.", key,
+            raise bad(f"Invalid '{key}': {v}. Expected a value >= 1.", key,
                        "integer_below_min_value")
     # max_completion_tokens replaces the deprecated max_tokens (vLLM reads them this way).
     if values["max_completion_tokens"] is not None:
@@ -294,9 +188,9 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _n(body: dict) -> int:
-    n = _integer(body, "n")
+    n = integer(body, "n")
     if n is not None and not 1 <= n <= MAX_N:
-        raise _bad(f"Invalid 'n': {n}. Expected a value from 1 to {MAX_N}.", "n",
+        raise bad(f"Invalid 'n': {n}. Expected a value from 1 to {MAX_N}.", "n",
                    "invalid_value")
     return n or 1
 
@@ -304,7 +198,7 @@ def _n(body: dict) -> int:
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """{"token id": bias}: ids as OpenAI sends them (JSON keys, so strings), biases in
     [-100, 100]. Ids beyond the vocabulary are the engine's to reject (it knows the size)."""
-    v = _object(body, "logit_bias")
+    v = json_object(body, "logit_bias")
     if not v:
         return ()
     out = {}
@@ -314,12 +208,12 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         except ValueError:
             token = -1
         if token < 0 or str(token) != key.strip().lstrip("+"):
-            raise _bad(f"Invalid 'logit_bias': {key!r} is not a token id.", "logit_bias",
+            raise bad(f"Invalid 'logit_bias': {key!r} is not a token id.", "logit_bias",
                        "invalid_value")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise invalid_type(f"logit_bias.{key}", "a number", bias)
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise _bad(f"Invalid 'logit_bias' value for token {token}: {bias}. Expected a "
+            raise bad(f"Invalid 'logit_bias' value for token {token}: {bias}. Expected a "
                        f"value from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}.", "logit_bias",
                        "invalid_value")
         out[token] = float(bias)
@@ -327,22 +221,22 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 
 def _min_tokens(body: dict) -> int:
-    v = _integer(body, "min_tokens")
+    v = integer(body, "min_tokens")
     if v is not None and v < 0:
-        raise _bad(f"Invalid 'min_tokens': {v}. Expected a value >= 0.", "min_tokens",
+        raise bad(f"Invalid 'min_tokens': {v}. Expected a value >= 0.", "min_tokens",
                    "integer_below_min_value")
     return v or 0
 
 
 def _common(body: dict) -> dict[str, Any]:
-    stream_options = _object(body, "stream_options") or {}
+    stream_options = json_object(body, "stream_options") or {}
     return dict(
-        sampling=_sampling(body), model=_string(body, "model"), max_tokens=_max_tokens(body),
-        stop=_stop(body), stream=bool(_boolean(body, "stream")),
-        include_usage=bool(_boolean(stream_options, "include_usage",
+        sampling=_sampling(body), model=string(body, "model"), max_tokens=_max_tokens(body),
+        stop=_stop(body), stream=bool(boolean(body, "stream")),
+        include_usage=bool(boolean(stream_options, "include_usage",
                                     "stream_options.include_usage")),
-        n=_n(body), user=_string(body, "user"), logit_bias=_logit_bias(body),
-        min_tokens=_min_tokens(body), ignore_eos=bool(_boolean(body, "ignore_eos")),
+        n=_n(body), user=string(body, "user"), logit_bias=_logit_bias(body),
+        min_tokens=_min_tokens(body), ignore_eos=bool(boolean(body, "ignore_eos")),
     )
 
 
@@ -358,13 +252,13 @@ def _content(v: object, param: str) -> str | None:
         p = f"{param}[{i}]"
         if not isinstance(part, dict):
             raise invalid_type(p, "an object", part)
-        kind = _string(part, "type", f"{p}.type")
+        kind = string(part, "type", f"{p}.type")
         if kind != "text":
-            raise _bad(f"Unsupported content part type {kind!r} in '{p}': kiln reads text "
+            raise bad(f"Unsupported content part type {kind!r} in '{p}': kiln reads text "
                        "parts only.", f"{p}.type", "unsupported_value")
-        text = _string(part, "text", f"{p}.text")
+        text = string(part, "text", f"{p}.text")
         if text is None:
-            raise _missing(f"{p}.text")
+            raise missing(f"{p}.text")
         texts.append(text)
     return "\n".join(texts)
 
@@ -372,12 +266,12 @@ def _content(v: object, param: str) -> str | None:
 def _tool_call(v: object, param: str) -> ToolCall:
     if not isinstance(v, dict):
         raise invalid_type(param, "an object", v)
-    fn = _object(v, "function", f"{param}.function")
+    fn = json_object(v, "function", f"{param}.function")
     if fn is None:
-        raise _missing(f"{param}.function")
-    name = _string(fn, "name", f"{param}.function.name")
+        raise missing(f"{param}.function")
+    name = string(fn, "name", f"{param}.function.name")
     if name is None:
-        raise _missing(f"{param}.function.name")
+        raise missing(f"{param}.function.name")
     args = fn.get("arguments")
     if isinstance(args, dict):
         args = json.dumps(args)
@@ -385,28 +279,28 @@ def _tool_call(v: object, param: str) -> ToolCall:
         args = "{}"
     elif not isinstance(args, str):
         raise invalid_type(f"{param}.function.arguments", "a string", args)
-    return ToolCall(id=_string(v, "id", f"{param}.id"), name=name, arguments=args)
+    return ToolCall(id=string(v, "id", f"{param}.id"), name=name, arguments=args)
 
 
 def _message(v: object, param: str) -> ChatMessage:
     if not isinstance(v, dict):
         raise invalid_type(param, "an object", v)
-    role = _string(v, "role", f"{param}.role")
+    role = string(v, "role", f"{param}.role")
     if not role:
-        raise _missing(f"{param}.role")
+        raise missing(f"{param}.role")
     if role == "developer":  # OpenAI's newer name for the system role; templates know system
         role = "system"
     content = _content(v.get("content"), f"{param}.content")
     if content is None and role != "assistant":
-        raise _missing(f"{param}.content")
-    calls = _array(v, "tool_calls", f"{param}.tool_calls") or []
+        raise missing(f"{param}.content")
+    calls = array(v, "tool_calls", f"{param}.tool_calls") or []
     reasoning = v.get("reasoning_content", v.get("reasoning"))
     if reasoning is not None and not isinstance(reasoning, str):
         raise invalid_type(f"{param}.reasoning_content", "a string", reasoning)
     return ChatMessage(
-        role=role, content=content, name=_string(v, "name", f"{param}.name"),
+        role=role, content=content, name=string(v, "name", f"{param}.name"),
         tool_calls=tuple(_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(calls)),
-        tool_call_id=_string(v, "tool_call_id", f"{param}.tool_call_id"),
+        tool_call_id=string(v, "tool_call_id", f"{param}.tool_call_id"),
         reasoning_content=reasoning,
     )
 
@@ -414,20 +308,20 @@ def _message(v: object, param: str) -> ChatMessage:
 def _tool(v: object, param: str) -> ToolSpec:
     if not isinstance(v, dict):
         raise invalid_type(param, "an object", v)
-    kind = _string(v, "type", f"{param}.type")
+    kind = string(v, "type", f"{param}.type")
     if kind not in (None, "function"):
-        raise _bad(f"Unsupported tool type {kind!r}: kiln calls functions only.",
+        raise bad(f"Unsupported tool type {kind!r}: kiln calls functions only.",
                    f"{param}.type", "unsupported_value")
-    fn = _object(v, "function", f"{param}.function")
+    fn = json_object(v, "function", f"{param}.function")
     if fn is None:
-        raise _missing(f"{param}.function")
-    name = _string(fn, "name", f"{param}.function.name")
+        raise missing(f"{param}.function")
+    name = string(fn, "name", f"{param}.function.name")
     if not name:
-        raise _missing(f"{param}.function.name")
-    return ToolSpec(name=name, description=_string(fn, "description", f"{param}.function."
+        raise missing(f"{param}.function.name")
+    return ToolSpec(name=name, description=string(fn, "description", f"{param}.function."
                                                    "description"),
-                    parameters=_object(fn, "parameters", f"{param}.function.parameters") or {},
-                    strict=_boolean(fn, "strict", f"{param}.function.strict"))
+                    parameters=json_object(fn, "parameters", f"{param}.function.parameters") or {},
+                    strict=boolean(fn, "strict", f"{param}.function.strict"))
 
 
 def _tool_choice(v: object, tools: tuple[ToolSpec, ...]) -> ToolChoice | None:
@@ -435,22 +329,22 @@ def _tool_choice(v: object, tools: tuple[ToolSpec, ...]) -> ToolChoice | None:
         return None
     if isinstance(v, str):
         if v not in ("none", "auto", "required"):
-            raise _bad(f"Invalid 'tool_choice': {v!r}. Expected 'none', 'auto', 'required' "
+            raise bad(f"Invalid 'tool_choice': {v!r}. Expected 'none', 'auto', 'required' "
                        "or a function.", "tool_choice", "invalid_value")
         choice = ToolChoice(mode=v)
     elif isinstance(v, dict):
-        fn = _object(v, "function", "tool_choice.function") or {}
-        name = _string(fn, "name", "tool_choice.function.name")
+        fn = json_object(v, "function", "tool_choice.function") or {}
+        name = string(fn, "name", "tool_choice.function.name")
         if not name:
-            raise _missing("tool_choice.function.name")
+            raise missing("tool_choice.function.name")
         if name not in {t.name for t in tools}:
-            raise _bad(f"Invalid 'tool_choice': no tool named {name!r} in 'tools'.",
+            raise bad(f"Invalid 'tool_choice': no tool named {name!r} in 'tools'.",
                        "tool_choice", "invalid_value")
         choice = ToolChoice(mode="function", name=name)
     else:
         raise invalid_type("tool_choice", "a string or an object", v)
     if choice.mode == "required" and not tools:
-        raise _bad("tool_choice 'required' needs at least one tool in 'tools'.",
+        raise bad("tool_choice 'required' needs at least one tool in 'tools'.",
                    "tool_choice", "invalid_value")
     return choice
 
@@ -460,58 +354,58 @@ def _response_format(v: object) -> ResponseFormat | None:
         return None
     if not isinstance(v, dict):
         raise invalid_type("response_format", "an object", v)
-    kind = _string(v, "type", "response_format.type")
+    kind = string(v, "type", "response_format.type")
     if kind in ("text", "json_object"):
         return ResponseFormat(type=kind)
     if kind != "json_schema":
-        raise _bad(f"Invalid 'response_format.type': {kind!r}. Expected 'text', "
+        raise bad(f"Invalid 'response_format.type': {kind!r}. Expected 'text', "
                    "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
-    js = _object(v, "json_schema", "response_format.json_schema")
+    js = json_object(v, "json_schema", "response_format.json_schema")
     if js is None:
-        raise _missing("response_format.json_schema")
-    return ResponseFormat(type=kind, schema=_object(js, "schema", "response_format.json_schema."
+        raise missing("response_format.json_schema")
+    return ResponseFormat(type=kind, schema=json_object(js, "schema", "response_format.json_schema."
                                                     "schema") or {},
-                          name=_string(js, "name", "response_format.json_schema.name"),
-                          strict=_boolean(js, "strict", "response_format.json_schema.strict"))
+                          name=string(js, "name", "response_format.json_schema.name"),
+                          strict=boolean(js, "strict", "response_format.json_schema.strict"))
 
 
 def parse_chat_request(body: object) -> ChatCompletionRequest:
     """A /v1/chat/completions body, checked; raises InvalidRequestError."""
-    body = _body(body)
-    cont = bool(_boolean(body, "continue_final_message"))
-    add_gen = _boolean(body, "add_generation_prompt")
-    raw_messages = _array(body, "messages")
+    body = require_object(body)
+    cont = bool(boolean(body, "continue_final_message"))
+    add_gen = boolean(body, "add_generation_prompt")
+    raw_messages = array(body, "messages")
     if cont and add_gen:
-        raise _bad("continue_final_message and add_generation_prompt cannot both be true.",
+        raise bad("continue_final_message and add_generation_prompt cannot both be true.",
                    "continue_final_message")
     if cont and not raw_messages:
-        raise _bad("continue_final_message is true but there are no messages to continue.",
+        raise bad("continue_final_message is true but there are no messages to continue.",
                    "continue_final_message")
     if raw_messages is None:
-        raise _missing("messages")
+        raise missing("messages")
     if not raw_messages:
-        raise _bad("'messages' must contain at least one message.", "messages", "empty_array")
+        raise bad("'messages' must contain at least one message.", "messages", "empty_array")
     messages = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(raw_messages))
     if cont and messages[-1].role != "assistant":
-        raise _bad("continue_final_message is true but the last message is not the "
+        raise bad("continue_final_message is true but the last message is not the "
                    f"assistant's (it is {messages[-1].role!r}).", "continue_final_message")
     if cont and not (messages[-1].content or "").strip():
-        raise _bad("continue_final_message is true but the final assistant message has no "
+        raise bad("continue_final_message is true but the final assistant message has no "
                    "text to continue.", "continue_final_message")
 
-    logprobs = bool(_boolean(body, "logprobs"))
-    top = _integer(body, "top_logprobs") or 0
+    logprobs = bool(boolean(body, "logprobs"))
+    top = integer(body, "top_logprobs") or 0
     if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise _bad(f"Invalid 'top_logprobs': {top}. Expected a value from 0 to "
+        raise bad(f"Invalid 'top_logprobs': {top}. Expected a value from 0 to "
                    f"{MAX_TOP_LOGPROBS}.", "top_logprobs", "invalid_value")
     if top and not logprobs:
-        raise _bad("top_logprobs needs logprobs: true.", "top_logprobs", "invalid_value")
-    raw_tools = _array(body, "tools") or []
+        raise bad("top_logprobs needs logprobs: true.", "top_logprobs", "invalid_value")
+    raw_tools = array(body, "tools") or []
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw_tools))
     return ChatCompletionRequest(
         messages=messages, **_common(body), logprobs=logprobs, top_logprobs=top,
         tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=_boolean(body, "parallel_tool_calls"),
+        parallel_tool_calls=boolean(body, "parallel_tool_calls"),
         response_format=_response_format(body.get("response_format")),
         add_generation_prompt=add_gen, continue_final_message=cont,
     )
@@ -521,10 +415,10 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
 
 def _token_ids(v: list, param: str) -> tuple[int, ...]:
     if not v:
-        raise _bad(f"'{param}' must not be empty.", param, "empty_array")
+        raise bad(f"'{param}' must not be empty.", param, "empty_array")
     for t in v:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise _bad(f"Invalid '{param}': token ids must be non-negative integers.", param,
+            raise bad(f"Invalid '{param}': token ids must be non-negative integers.", param,
                        "invalid_value")
     return tuple(v)
 
@@ -532,18 +426,18 @@ def _token_ids(v: list, param: str) -> tuple[int, ...]:
 def _prompts(v: object) -> tuple[str | tuple[int, ...], ...]:
     """A string, an array of token ids, or an array of either: one prompt each."""
     if v is None:
-        raise _missing("prompt")
+        raise missing("prompt")
     if isinstance(v, str):
         return (v,)
     expected = "a string, an array of strings or an array of token ids"
     if not isinstance(v, list):
         raise invalid_type("prompt", expected, v)
     if not v:
-        raise _bad("'prompt' must not be empty.", "prompt", "empty_array")
+        raise bad("'prompt' must not be empty.", "prompt", "empty_array")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         return (_token_ids(v, "prompt"),)
     if len(v) > MAX_PROMPTS:
-        raise _bad(f"'prompt' holds {len(v)} prompts; kiln takes at most {MAX_PROMPTS} in "
+        raise bad(f"'prompt' holds {len(v)} prompts; kiln takes at most {MAX_PROMPTS} in "
                    "one request.", "prompt", "invalid_value")
     prompts = []
     for p in v:
@@ -558,11 +452,11 @@ def _prompts(v: object) -> tuple[str | tuple[int, ...], ...]:
 
 def parse_completion_request(body: object) -> CompletionRequest:
     """A /v1/completions body, checked; raises InvalidRequestError."""
-    body = _body(body)
+    body = require_object(body)
     prompts = _prompts(body.get("prompt"))
-    logprobs = _integer(body, "logprobs")
+    logprobs = integer(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise _bad(f"Invalid 'logprobs': {logprobs}. Expected a value from 0 to "
+        raise bad(f"Invalid 'logprobs': {logprobs}. Expected a value from 0 to "
                    f"{MAX_COMPLETION_LOGPROBS}.", "logprobs", "invalid_value")
     return CompletionRequest(prompts=prompts, **_common(body), logprobs=logprobs,
-                             echo=bool(_boolean(body, "echo")))
+                             echo=bool(boolean(body, "echo")))

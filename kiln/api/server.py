@@ -14,10 +14,10 @@ from sanic.response import json, raw
 from kiln.api import access, ollama
 from kiln.api.errors import error_response, ollama_error_body, ollama_route
 from kiln.api.handlers import chat_completions, completions
+from kiln.api.json_fields import load_json_body
 from kiln.api.metrics import CONTENT_TYPE_LATEST
 from kiln.api.models import defaults_json, list_models, retrieve_model
 from kiln.api.openai_responses import create_response
-from kiln.api.protocol import load_json_body
 from kiln.api.responses import new_id
 from kiln.api.state import ServeOptions, ServerState
 from kiln.api.tokenize import detokenize, tokenize

@@ -10,7 +10,8 @@ it, and answers `{count, max_model_len, tokens, token_strs}` (token_strs null un
 from __future__ import annotations
 
 from kiln.api.chat import render_chat
-from kiln.api.protocol import invalid_type, load_json_body, parse_chat_request
+from kiln.api.json_fields import invalid_type, load_json_body
+from kiln.api.protocol import parse_chat_request
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response
 from kiln.runtime.errors import InvalidRequestError

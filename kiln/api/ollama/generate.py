@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from kiln.api.chat import Generation, collect, prepare_chat, submit
 from kiln.api.errors import InternalServerError
 from kiln.api.generation import OutputAssembler
+from kiln.api.json_fields import load_json_body
 from kiln.api.ollama.request import OllamaRequest, chat_request, generate_request
 from kiln.api.ollama.wire import nanoseconds, timestamp
-from kiln.api.protocol import load_json_body, parse_chat_request, parse_completion_request
+from kiln.api.protocol import parse_chat_request, parse_completion_request
 from kiln.api.responses import new_id
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response, send_ndjson

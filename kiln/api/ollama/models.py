@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from kiln.api.json_fields import invalid_type, load_json_body
 from kiln.api.ollama.wire import OLLAMA_VERSION, timestamp
-from kiln.api.protocol import invalid_type, load_json_body
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response
 from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError

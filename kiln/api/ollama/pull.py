@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.api.errors import UpstreamError
-from kiln.api.protocol import invalid_type, load_json_body
+from kiln.api.json_fields import invalid_type, load_json_body
 from kiln.api.streaming import json_response, send_ndjson
 from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
 from kiln.runtime.store.catalogue import CatalogueEntry, lookup

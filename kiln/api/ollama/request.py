@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.api.protocol import invalid_type
+from kiln.api.json_fields import invalid_type
 from kiln.runtime.errors import InvalidRequestError
 
 # Ollama option -> (the /v1 field it becomes, or None when kiln has no use for it; JSON kind)
