@@ -32,27 +32,9 @@ WARMUP=${WARMUP:-2}
 OUT=${OUT:-bench/results}
 START_TIMEOUT=${START_TIMEOUT:-600}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-WORK=$(mktemp -d)
-SERVER_PID=""
+STOP_WAIT_S=30
+source "$(dirname "$0")/server_lib.sh"
 mkdir -p "$OUT"
-
-stop_server() {
-    [ -n "$SERVER_PID" ] || return 0
-    kill -INT "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 120); do
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.25
-    done
-    kill -KILL "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-    SERVER_PID=""
-}
-trap 'stop_server; rm -rf "$WORK"' EXIT
-trap 'exit 130' INT TERM
-
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 # run LABEL [kiln serve flags...]: start, benchmark, save the routing counters, stop.
 run() {

@@ -66,8 +66,8 @@ KILN_DTYPES=${KILN_DTYPES:-float32}
 OUT=${OUT:-bench/results}
 START_TIMEOUT=${START_TIMEOUT:-600}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-WORK=$(mktemp -d)
-SERVER_PID=""
+STOP_WAIT_S=20
+source "$(dirname "$0")/server_lib.sh"
 
 for bin in "$LLAMA_SERVER" "$LLAMA_BENCH"; do
     if ! command -v "$bin" >/dev/null; then
@@ -101,23 +101,6 @@ if [ "$LLAMA_NO_REPACK" = 1 ]; then
     BENCH_ARGS+=(--repack 0)
 fi
 
-stop_server() {
-    [ -n "$SERVER_PID" ] || return 0
-    kill -INT "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 80); do
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.25
-    done
-    kill -KILL "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-    SERVER_PID=""
-}
-trap 'stop_server; rm -rf "$WORK"' EXIT
-trap 'exit 130' INT TERM
-
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 # start LABEL READY_PATH COMMAND...: runs the server in the background, waits until READY_PATH
 # answers 200 (the model is loaded), or fails with the end of its log.

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from kiln.api.json_fields import invalid_type, load_json_body
+from kiln.api.json_fields import load_json_body
+from kiln.api.ollama.request import model_name
 from kiln.api.ollama.wire import OLLAMA_VERSION, timestamp
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response
-from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.kv.memory import kv_bytes_per_token
 from kiln.runtime.models.loader import GENERIC_DEFAULTS
 from kiln.runtime.store.catalogue import CATALOGUE, CatalogueEntry, SamplingDefaults
@@ -124,11 +125,7 @@ async def ps(request):
 async def show(request):
     state: ServerState = request.app.ctx.state
     body = load_json_body(request.body)
-    name = body.get("model") or body.get("name")  # `name`: older clients
-    if name is None:
-        raise InvalidRequestError("model is required", param="model")
-    if not isinstance(name, str):
-        raise invalid_type("model", "a string", name)
+    name = model_name(body)
     m = find_local(state, name)
     meta = await _off_loop(read_metadata, m.path)
     loaded = state.loaded

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from kiln.api.errors import UpstreamError
 from kiln.api.json_fields import invalid_type, load_json_body
+from kiln.api.ollama.request import model_name
 from kiln.api.streaming import json_response, send_ndjson
-from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.store.catalogue import CatalogueEntry, lookup
 from kiln.runtime.store.pull import PullError, is_pulled, model_path
 from kiln.runtime.store.pull import pull as pull_model
@@ -35,11 +36,7 @@ log = logging.getLogger("kiln")
 
 async def pull(request):
     body = load_json_body(request.body)
-    name = body.get("model") or body.get("name")  # `name`: older clients
-    if name is None:
-        raise InvalidRequestError("model is required", param="model")
-    if not isinstance(name, str):
-        raise invalid_type("model", "a string", name)
+    name = model_name(body)
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise invalid_type("stream", "a boolean", stream)

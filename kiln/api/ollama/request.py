@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.api.json_fields import invalid_type
+from kiln.api.json_fields import invalid_type, typed
 from kiln.runtime.errors import InvalidRequestError
 
 # Ollama option -> (the /v1 field it becomes, or None when kiln has no use for it; JSON kind)
@@ -62,10 +62,10 @@ class OllamaRequest:
 
 
 def chat_request(body: dict) -> OllamaRequest:
-    messages = _typed(body, "messages", list, "an array") or []
+    messages = typed(body, "messages", list, "an array") or []
     v1 = _common(body)
     v1["messages"] = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    tools = _typed(body, "tools", list, "an array")
+    tools = typed(body, "tools", list, "an array")
     if tools:
         v1["tools"] = tools  # Ollama's tool shape is OpenAI's
     return OllamaRequest(model=v1["model"], stream=_stream(body), v1=v1,
@@ -73,13 +73,13 @@ def chat_request(body: dict) -> OllamaRequest:
 
 
 def generate_request(body: dict) -> OllamaRequest:
-    prompt = _typed(body, "prompt", str, "a string") or ""
-    system = _typed(body, "system", str, "a string")
-    raw = bool(_typed(body, "raw", bool, "a boolean"))
-    if _typed(body, "suffix", str, "a string"):
+    prompt = typed(body, "prompt", str, "a string") or ""
+    system = typed(body, "system", str, "a string")
+    raw = bool(typed(body, "raw", bool, "a boolean"))
+    if typed(body, "suffix", str, "a string"):
         raise InvalidRequestError(f"{body.get('model')!r} does not support insert: kiln "
                                   "has no fill-in-the-middle prompt for it.", param="suffix")
-    if _typed(body, "template", str, "a string"):
+    if typed(body, "template", str, "a string"):
         raise InvalidRequestError("'template' is not supported: kiln renders prompts with "
                                   "the model's own chat template (or none, with raw).",
                                   param="template")
@@ -118,7 +118,7 @@ def response_format(body: dict) -> dict | None:
 
 def _common(body: dict) -> dict:
     """The /v1 fields both routes share: model, options, format, think, logprobs."""
-    model = _typed(body, "model", str, "a string")
+    model = typed(body, "model", str, "a string")
     if not model:
         raise InvalidRequestError("model is required", param="model")
     v1: dict = {"model": model, **_options(body)}
@@ -126,7 +126,7 @@ def _common(body: dict) -> dict:
     if fmt is not None:
         v1["response_format"] = fmt
     v1.update(_think(body.get("think")))
-    if _typed(body, "logprobs", bool, "a boolean"):
+    if typed(body, "logprobs", bool, "a boolean"):
         v1["logprobs"] = True
         top = _integer(body.get("top_logprobs"), "top_logprobs")
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -137,7 +137,7 @@ def _common(body: dict) -> dict:
 
 
 def _options(body: dict) -> dict:
-    options = _typed(body, "options", dict, "an object") or {}
+    options = typed(body, "options", dict, "an object") or {}
     fields = {}
     for name, value in options.items():
         if name not in OPTIONS or value is None:
@@ -200,10 +200,10 @@ def _message(m, param: str):
     _no_images(m, f"{param}.images")
     out = {k: v for k, v in m.items()
            if k in ("role", "content", "tool_calls", "tool_call_id")}
-    thinking = _typed(m, "thinking", str, "a string", f"{param}.thinking")
+    thinking = typed(m, "thinking", str, "a string", f"{param}.thinking")
     if thinking:
         out["reasoning_content"] = thinking
-    tool_name = _typed(m, "tool_name", str, "a string", f"{param}.tool_name")
+    tool_name = typed(m, "tool_name", str, "a string", f"{param}.tool_name")
     if tool_name and m.get("role") == "tool":
         out["name"] = tool_name
     if out.get("content") is None and out.get("role") == "assistant" \
@@ -213,13 +213,13 @@ def _message(m, param: str):
 
 
 def _no_images(obj: dict, param: str) -> None:
-    if _typed(obj, "images", list, "an array", param):
+    if typed(obj, "images", list, "an array", param):
         raise InvalidRequestError("Images are not supported: kiln's models read text only.",
                                   param=param, code="unsupported_value")
 
 
 def _stream(body: dict) -> bool:
-    stream = _typed(body, "stream", bool, "a boolean")
+    stream = typed(body, "stream", bool, "a boolean")
     return True if stream is None else stream
 
 
@@ -227,8 +227,11 @@ def _top_logprobs(v1: dict) -> int | None:
     return v1.get("top_logprobs", 0) if v1.get("logprobs") else None
 
 
-def _typed(obj: dict, key: str, kind: type, expected: str, param: str | None = None):
-    value = obj.get(key)
-    if value is not None and not isinstance(value, kind):
-        raise invalid_type(param or key, expected, value)
-    return value
+def model_name(body: dict) -> str:
+    """The model a /api/show or /api/pull body names (`name`: older clients)."""
+    name = body.get("model") or body.get("name")
+    if name is None:
+        raise InvalidRequestError("model is required", param="model")
+    if not isinstance(name, str):
+        raise invalid_type("model", "a string", name)
+    return name
