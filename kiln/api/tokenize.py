@@ -10,7 +10,7 @@ it, and answers `{count, max_model_len, tokens, token_strs}` (token_strs null un
 from __future__ import annotations
 
 from kiln.api.chat import render_chat
-from kiln.api.json_fields import invalid_type, load_json_body
+from kiln.api.json_fields import load_json_body, missing, typed
 from kiln.api.protocol import parse_chat_request
 from kiln.api.state import ServerState
 from kiln.api.streaming import json_response
@@ -18,17 +18,8 @@ from kiln.runtime.errors import InvalidRequestError
 
 
 def _read(body: dict, key: str, kind: type, expected: str, default=None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise invalid_type(key, expected, v)
-    return v
-
-
-def _missing(key: str) -> InvalidRequestError:
-    return InvalidRequestError(f"Missing required parameter: '{key}'.", param=key,
-                               code="missing_required_parameter")
+    v = typed(body, key, kind, expected)
+    return default if v is None else v
 
 
 async def tokenize(request):
@@ -47,7 +38,7 @@ async def tokenize(request):
         model = _read(body, "model", str, "a string")
         prompt = _read(body, "prompt", str, "a string")
         if prompt is None:
-            raise _missing("prompt")
+            raise missing("prompt")
         await state.ensure_model(model)
     tok = state.loaded.tokenizer
     ids = tok.encode(prompt, add_special_tokens=add_special)
@@ -62,7 +53,7 @@ async def detokenize(request):
     model = _read(body, "model", str, "a string")
     tokens = _read(body, "tokens", list, "an array of token ids")
     if tokens is None:
-        raise _missing("tokens")
+        raise missing("tokens")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
         raise InvalidRequestError("Invalid 'tokens': token ids must be non-negative integers.",
                                   param="tokens", code="invalid_value")
