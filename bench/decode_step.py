@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from kiln.runtime.models.loader import load_model  # noqa: E402
 from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
@@ -54,8 +55,9 @@ def main() -> None:
                 n += 1
                 prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500
                           for i in range(args.context)]
-                reqs.append(engine.make_request(f"b{n}", prompt, SamplingParams(temperature=0.0),
-                                                max_tokens=args.steps + 1, ignore_eos=True))
+                reqs.append(engine.make_request(f"b{n}", EngineRequest(
+                    prompt, SamplingParams(temperature=0.0),
+                    RequestOptions(max_tokens=args.steps + 1, ignore_eos=True))))
             for r in reqs:
                 engine.add_request(r)
             while any(r.num_output_tokens == 0 for r in reqs):  # prefill
@@ -71,8 +73,9 @@ def main() -> None:
     for round_ in range(args.repeat if args.prefill else 0):
         n += 1
         prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500 for i in range(args.prefill)]
-        req = engine.make_request(f"p{n}", prompt, SamplingParams(temperature=0.0),
-                                  max_tokens=1, ignore_eos=True)
+        req = engine.make_request(f"p{n}", EngineRequest(
+            prompt, SamplingParams(temperature=0.0),
+            RequestOptions(max_tokens=1, ignore_eos=True)))
         engine.add_request(req)
         t0 = time.perf_counter()
         while engine.has_unfinished():

@@ -51,6 +51,7 @@ from kiln.runtime.engine.config import EngineConfig  # noqa: E402
 from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from kiln.runtime.kv.attention_metadata import AttentionMetadata  # noqa: E402
 from kiln.runtime.models import llama  # noqa: E402
+from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.models.loader import LoadedModel  # noqa: E402
 from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 from kiln.runtime.store.gguf_file import open_gguf  # noqa: E402
@@ -142,8 +143,8 @@ def build(path: Path, device: str, dtype: torch.dtype, use_triton: bool = True) 
     gf = open_gguf(path)
     cfg = llama.read_config(gf)
     backend = DenseBackend(device, dtype, use_triton=use_triton)
-    return LoadedModel(path.stem, path, None, cfg, llama.build(cfg, gf, backend),
-                       tokenizer=None, chat_template=None, load_seconds=0.0)
+    return LoadedModel(path.stem, path, None, cfg, tokenizer=None, chat_template=None,
+                       model=llama.build(cfg, gf, backend), load_seconds=0.0)
 
 
 def prompt_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
@@ -490,9 +491,10 @@ def time_engine(path: Path, device: str, label: str, batches, graphs: bool) -> N
         for B in batches:
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
             for i in range(B):
-                engine.add_request(engine.make_request(
-                    f"{B}-{i}", rng.integers(0, loaded.config.vocab_size, 128).tolist(),
-                    params, max_tokens=800, ignore_eos=True, stop_token_ids=frozenset()))
+                prompt = rng.integers(0, loaded.config.vocab_size, 128).tolist()
+                engine.add_request(engine.make_request(f"{B}-{i}", EngineRequest(
+                    prompt, params, RequestOptions(max_tokens=800, ignore_eos=True,
+                                                   stop_token_ids=frozenset()))))
             t0 = time.perf_counter()
             while any(r.num_output_tokens == 0 for r in engine.requests.values()):
                 engine.step()  # prefill

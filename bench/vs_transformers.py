@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def kiln_figures(path: str, prompt: list[int], n_decode: int) -> dict:
     from kiln.runtime.engine.config import EngineConfig
+    from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions
     from kiln.runtime.engine.llm_engine import LLMEngine
     from kiln.runtime.models.loader import load_model
     from kiln.runtime.sampling.params import SamplingParams
@@ -29,7 +30,8 @@ def kiln_figures(path: str, prompt: list[int], n_decode: int) -> dict:
     load = time.perf_counter() - t
     engine = LLMEngine(loaded, EngineConfig.build(loaded.ctx_len, 2048, prefill_chunk_len=2048))
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.0)
-    req = engine.make_request("p", prompt, greedy, max_tokens=n_decode, ignore_eos=True)
+    req = engine.make_request("p", EngineRequest(
+        prompt, greedy, RequestOptions(max_tokens=n_decode, ignore_eos=True)))
     engine.add_request(req)
     t = time.perf_counter()
     engine.step()  # the whole prompt in one chunk, and the first token

@@ -62,3 +62,14 @@ def run_to_completion(engine, requests):
         steps += 1
         assert steps < 100000
     return out
+
+
+
+def make_request(engine, request_id: str, prompt, sampling, *, grammar=None,
+                 grammar_prefix: str = "", prefill_leader: str | None = None, **options):
+    """engine.make_request with the request's options as keywords (max_tokens=8, ...)."""
+    from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions
+
+    return engine.make_request(request_id, EngineRequest(
+        prompt, sampling, RequestOptions(**options), grammar=grammar,
+        grammar_prefix=grammar_prefix, prefill_leader=prefill_leader))

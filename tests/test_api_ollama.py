@@ -14,8 +14,11 @@ import ollama
 import pytest
 from api_server import MODEL, KilnServer
 
-from kiln.api.ollama.request import chat_request, generate_request
+from kiln.api.protocol.chat import ResponseFormat
+from kiln.api.protocol.ollama import chat_request, generate_request
+from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.sampling.settings import SamplingFields
 from kiln.runtime.store.catalogue import CATALOGUE
 from kiln.runtime.store.pull import is_pulled, model_path
 
@@ -341,7 +344,7 @@ def test_error_shapes_follow_the_route(server):
 def test_num_predict_is_max_tokens_and_negative_means_no_limit(num_predict, max_tokens):
     req = chat_request({"model": MODEL, "messages": DRAGON,
                         "options": {"num_predict": num_predict}})
-    assert req.v1.get("max_tokens") == max_tokens
+    assert req.chat.options.max_tokens == max_tokens
 
 
 def test_options_map_onto_kilns_fields_and_runner_options_are_dropped():
@@ -349,15 +352,17 @@ def test_options_map_onto_kilns_fields_and_runner_options_are_dropped():
         "repeat_penalty": 1.2, "repeat_last_n": 32, "stop": ["\n"], "top_k": 5,
         "num_ctx": 4096, "mirostat": 2, "unknown": "x"}})
     assert req.stream is True  # Ollama streams unless told not to
-    assert {k: v for k, v in req.v1.items() if k not in ("model", "messages")} == {
-        "repetition_penalty": 1.2, "repeat_last_n": 32, "stop": ["\n"], "top_k": 5,
-        "think": True, "reasoning_effort": "high"}
-    assert chat_request({"model": MODEL, "messages": DRAGON, "format": "json"}).v1[
-        "response_format"] == {"type": "json_object"}
+    assert req.chat.sampling == SamplingFields(
+        repetition_penalty=1.2, repeat_last_n=32, top_k=5, think=True, reasoning_effort="high")
+    assert req.chat.options == RequestOptions(stop=("\n",))
+    assert chat_request({"model": MODEL, "messages": DRAGON, "format": "json"}).chat \
+        .response_format == ResponseFormat("json_object")
     raw = generate_request({"model": MODEL, "prompt": "x", "raw": True, "format": "json",
                             "stream": False, "logprobs": True, "top_logprobs": 3})
     assert raw.raw and not raw.stream and raw.top_logprobs == 3
-    assert raw.raw_format == {"type": "json_object"} and "logprobs" not in raw.v1
+    # A raw prompt is a completion request: no template, so no thinking switches either.
+    assert raw.raw_format == ResponseFormat("json_object") and raw.chat is None
+    assert raw.completion.sampling == SamplingFields()
     with pytest.raises(InvalidRequestError, match="Images are not supported"):
         chat_request({"model": MODEL, "messages": [{"role": "user", "content": "x",
                                                     "images": ["aGk="]}]})

@@ -15,13 +15,14 @@ from api_server import MODEL, KilnServer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from kiln.api.errors import InternalServerError
-from kiln.api.generation import Delta
-from kiln.api.openai_responses import _events
-from kiln.api.openai_responses_input import parse_responses_request
-from kiln.api.openai_responses_output import ResponseBuilder, new_response
-from kiln.api.tools import ToolCallDelta
+from kiln.api.pipeline.assembler import Delta
+from kiln.api.pipeline.reply import reply_events
+from kiln.api.pipeline.responses_builder import ResponseBuilder, new_response
+from kiln.api.protocol.responses import parse_responses_request
+from kiln.api.routes.responses import ResponsesReply
+from kiln.runtime.errors import RequestFailedError
 from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.text.tool_parser import ToolCallDelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -387,10 +388,12 @@ def test_the_stream_turns_an_error_mid_reply_into_events():
 
         async def deltas(self):
             yield Delta(content="Hal")
-            raise InternalServerError("resp-test", "The engine aborted the request.")
+            raise RequestFailedError("resp-test", "The engine aborted the request.")
 
     async def run():
-        return [e async for e in _events(Failing(), _builder())]
+        failing = Failing()
+        return [e async for e in reply_events([failing], ResponsesReply(_builder(), failing,
+                                                                        8192))]
 
     events = asyncio.run(run())
     assert [e["type"] for e in events] == [

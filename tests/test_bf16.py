@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_request
 from paged import PagedSequence
 
 from kiln.runtime.backends import dtype_refusal, resolve_dtype
@@ -75,9 +76,9 @@ def test_bf16_engine_decodes_greedily_within_rounding_of_fp32(bf16_model, smollm
     config = EngineConfig.build(bf16_model.ctx_len, bf16_model.max_prefill_len,
                                 kv_cache_tokens=2048)
     engine = LLMEngine(bf16_model, config)
-    reqs = [engine.make_request(f"g{i}", cases[i]["prompt_ids"],
-                                SamplingParams(temperature=0.0), max_tokens=12,
-                                ignore_eos=True) for i in range(3)]
+    reqs = [make_request(engine, f"g{i}", cases[i]["prompt_ids"],
+                         SamplingParams(temperature=0.0), max_tokens=12,
+                         ignore_eos=True) for i in range(3)]
     for r in reqs:
         engine.add_request(r)
     while engine.has_unfinished():

@@ -1,7 +1,8 @@
 """`kiln serve --replicas 2` on a local Ray cluster: two engine replicas (own processes, own
-small KV pools) behind one endpoint, driven with the official OpenAI SDK.
+small KV pools) behind one endpoint, driven with the official OpenAI SDK, and every route
+family answering there as it does on one engine (route_calls.py).
 
-One server for the module (Ray and two model loads take a while on 2 cores); the fault test
+One cluster for the module (Ray and two model loads take a while on 2 cores); the fault test
 runs last, as it kills a replica. Which replica served a request is read from /health's
 per-replica request counts; a repeat on the replica that cached it shows in the usage
 block's cached_tokens, a cold one does not.
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from api_server import MODEL, KilnServer
+from route_calls import CALLS, RouteCall, comparable
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
 pytestmark = pytest.mark.slow
@@ -51,10 +53,12 @@ def alive(pid: int) -> bool:
         Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+FLAGS = ("--kv-cache-tokens", "2048", "--ctx-len", "512", "--shutdown-timeout", "1")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = KilnServer(tmp_path_factory.mktemp("kiln-cluster"), "--replicas", "2",
-                   "--kv-cache-tokens", "2048", "--ctx-len", "512", "--shutdown-timeout", "1")
+    s = KilnServer(tmp_path_factory.mktemp("kiln-cluster"), "--replicas", "2", *FLAGS)
     with s:
         s.ray_pids = descendants(s.proc.pid)
         yield s
@@ -178,6 +182,32 @@ def test_sticky_settings_hold_across_replicas(server, client):
     plain = complete(client, prompt, max_tokens=12, temperature=0, presence_penalty=0.0)
     assert plain.choices[0].text != explicit.choices[0].text, "the penalty must matter here"
     assert sticky.choices[0].text == explicit.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """One engine, with the cluster's flags."""
+    with KilnServer(tmp_path_factory.mktemp("kiln-local"), *FLAGS) as s:
+        yield s
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: c.name)
+def test_every_route_answers_on_replicas_as_on_one_engine(server, local, call: RouteCall):
+    answers = {}
+    for name, s in (("one engine", local), ("replicas", server)):
+        r = httpx.request(call.method, s.url + call.path, json=call.body, timeout=120)
+        assert r.status_code == 200, (name, r.status_code, r.text[:800])
+        answers[name] = comparable(call, r.text)
+    assert answers["one engine"] == answers["replicas"]
+
+
+def test_the_loaded_models_size_counts_every_replicas_kv_cache(server, local):
+    local_size, cluster_size = (httpx.get(f"{s.url}/api/ps").json()["models"][0]["size"]
+                                for s in (local, server))
+    file_size = next(m["size"] for m in httpx.get(f"{local.url}/api/tags").json()["models"]
+                     if m["name"] == MODEL)
+    # Each replica holds a KV pool of the same size as the one engine's.
+    assert cluster_size - file_size == 2 * (local_size - file_size) > 0
 
 
 def _stream_until_error(server, body: dict, on_first) -> list[str]:

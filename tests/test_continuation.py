@@ -4,10 +4,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kiln.api.continuation import continuation_prompt
 from kiln.api.errors import http_status
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.store.catalogue import GEMMA_CHAT_TEMPLATE
+from kiln.runtime.text.continuation import continuation_prompt
 
 # A template that writes content exactly as sent, and one that trims it (like Gemma's).
 PLAIN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

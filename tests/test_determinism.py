@@ -4,7 +4,7 @@ from the cache, and cold after a cache reset (the engine as `kiln serve` builds 
 with no flag)."""
 
 import pytest
-from conftest import run_to_completion
+from conftest import make_request, run_to_completion
 
 from kiln.runtime.sampling.params import SamplingParams
 
@@ -20,8 +20,8 @@ def _prompt(smollm2, text):
 
 
 def _run(engine, prompt, sampling, max_tokens, others=()):
-    target = engine.make_request("target", prompt, sampling, max_tokens=max_tokens,
-                                 num_top_logprobs=5)
+    target = make_request(engine, "target", prompt, sampling, max_tokens=max_tokens,
+                          logprobs=5)
     reqs = [target] + list(others)
     outs = {r.request_id: [] for r in reqs}
     lps = []
@@ -37,8 +37,8 @@ def _run(engine, prompt, sampling, max_tokens, others=()):
 
 def _others(engine, smollm2, n=15):
     texts = ["Tell me about " + "rivers " * (i % 5 + 1) for i in range(n)]
-    return [engine.make_request(f"o{i}", _prompt(smollm2, t)[: 40 + 9 * i],
-                                SamplingParams(temperature=0.7, seed=i), max_tokens=5 + 3 * i)
+    return [make_request(engine, f"o{i}", _prompt(smollm2, t)[: 40 + 9 * i],
+                         SamplingParams(temperature=0.7, seed=i), max_tokens=5 + 3 * i)
             for i, t in enumerate(texts)]
 
 
@@ -52,7 +52,7 @@ def test_same_bits_alone_batched_cached_and_cold(smollm2, make_engine, sampling,
     batched = _run(engine, prompt, sampling, max_tokens, _others(engine, smollm2))
     assert engine.reset_prefix_cache()
     # Cache the prompt's prefix with another request first.
-    run_to_completion(engine, [engine.make_request("warm", prompt, GREEDY, max_tokens=1)])
+    run_to_completion(engine, [make_request(engine, "warm", prompt, GREEDY, max_tokens=1)])
     cached = _run(engine, prompt, sampling, max_tokens)
     assert cached[2] > 0 and alone[2] == 0
     assert engine.reset_prefix_cache()

@@ -1,7 +1,7 @@
 """The engine with the real model: prefix cache, batching, preemption, context checks."""
 
 import pytest
-from conftest import run_to_completion
+from conftest import make_request, run_to_completion
 
 from kiln.api.errors import error_response
 from kiln.runtime.errors import ContextLengthError
@@ -24,19 +24,19 @@ def _pool_is_clean(engine) -> bool:
 def test_repeated_600_token_prefix_is_served_from_the_cache(smollm2, make_engine):
     engine = make_engine(kv_cache_tokens=2048)
     prefix = list(range(1000, 1600))  # 600 tokens
-    first = engine.make_request("a", prefix, GREEDY, max_tokens=8)
+    first = make_request(engine, "a", prefix, GREEDY, max_tokens=8)
     out_a = run_to_completion(engine, [first])["a"]
     assert first.num_cached_tokens == 0
-    second = engine.make_request("b", prefix, GREEDY, max_tokens=8)
+    second = make_request(engine, "b", prefix, GREEDY, max_tokens=8)
     out_b = run_to_completion(engine, [second])["b"]
     assert second.num_cached_tokens == 592  # 37 full blocks; the last token is recomputed
     assert out_b == out_a
     # Enough other traffic to evict it: the pool holds 128 blocks.
     for i in range(3):
-        other = engine.make_request(f"o{i}", list(range(2000 + 700 * i, 2700 + 700 * i)),
-                                    GREEDY, max_tokens=2)
+        other = make_request(engine, f"o{i}", list(range(2000 + 700 * i, 2700 + 700 * i)),
+                             GREEDY, max_tokens=2)
         run_to_completion(engine, [other])
-    third = engine.make_request("c", prefix, GREEDY, max_tokens=8)
+    third = make_request(engine, "c", prefix, GREEDY, max_tokens=8)
     out_c = run_to_completion(engine, [third])["c"]
     assert third.num_cached_tokens == 0
     assert out_c == out_a
@@ -57,14 +57,14 @@ def solo_outputs(smollm2):
     outs = {}
     for i, text in enumerate(PROMPTS):
         engine = LLMEngine(smollm2, cfg)
-        req = engine.make_request(f"r{i}", _prompt(smollm2, text), GREEDY, max_tokens=24)
+        req = make_request(engine, f"r{i}", _prompt(smollm2, text), GREEDY, max_tokens=24)
         outs[f"r{i}"] = run_to_completion(engine, [req])[f"r{i}"]
     return outs
 
 
 def test_8_concurrent_greedy_requests_match_their_solo_runs(smollm2, make_engine, solo_outputs):
     engine = make_engine(kv_cache_tokens=4096)
-    reqs = [engine.make_request(f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
+    reqs = [make_request(engine, f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
             for i, t in enumerate(PROMPTS)]
     outs = run_to_completion(engine, reqs)
     texts = {k: smollm2.tokenizer.decode(v) for k, v in outs.items()}
@@ -77,7 +77,7 @@ def test_exhausted_pool_preempts_and_queues_without_losing_a_request(
         smollm2, make_engine, solo_outputs, caplog):
     # 14 blocks (224 tokens) cannot hold 8 prompts of ~40 tokens growing by 24 each.
     engine = make_engine(kv_cache_tokens=224)
-    reqs = [engine.make_request(f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
+    reqs = [make_request(engine, f"r{i}", _prompt(smollm2, t), GREEDY, max_tokens=24)
             for i, t in enumerate(PROMPTS)]
     with caplog.at_level("INFO", logger="kiln"):
         outs = run_to_completion(engine, reqs)
@@ -91,18 +91,18 @@ def test_exhausted_pool_preempts_and_queues_without_losing_a_request(
 def test_prompt_as_long_as_the_context_is_rejected_before_prefill(make_engine):
     engine = make_engine(ctx_len=512, kv_cache_tokens=1024)
     with pytest.raises(ContextLengthError) as err:
-        engine.make_request("a", [5] * 512, GREEDY)
+        make_request(engine, "a", [5] * 512, GREEDY)
     assert error_response(err.value, "a") == (400, {"error": {
         "message": "Max length reached!", "type": "model_error", "param": None, "code": 400}})
     with pytest.raises(ContextLengthError):
-        engine.make_request("b", [5] * 500, GREEDY, max_tokens=13)
-    engine.make_request("c", [5] * 500, GREEDY, max_tokens=12)  # fits exactly
+        make_request(engine, "b", [5] * 500, GREEDY, max_tokens=13)
+    make_request(engine, "c", [5] * 500, GREEDY, max_tokens=12)  # fits exactly
     assert _pool_is_clean(engine)
 
 
 def test_generation_that_fills_the_context_stops_with_length(make_engine):
     engine = make_engine(ctx_len=512, kv_cache_tokens=1024)
-    req = engine.make_request("a", [5] * 506, SamplingParams(temperature=0.0), ignore_eos=True)
+    req = make_request(engine, "a", [5] * 506, SamplingParams(temperature=0.0), ignore_eos=True)
     out = run_to_completion(engine, [req])["a"]
     assert len(out) == 6 and req.finish_reason == "length"
     assert req.num_tokens == 512
@@ -110,7 +110,7 @@ def test_generation_that_fills_the_context_stops_with_length(make_engine):
 
 def test_abort_frees_the_request_blocks_between_steps(smollm2, make_engine):
     engine = make_engine(kv_cache_tokens=2048, prefill_chunk_len=512)
-    req = engine.make_request("a", list(range(1000, 2200)), GREEDY, max_tokens=4)
+    req = make_request(engine, "a", list(range(1000, 2200)), GREEDY, max_tokens=4)
     engine.add_request(req)
     engine.step()  # first 512-token chunk
     assert req.num_computed_tokens == 512
@@ -118,7 +118,7 @@ def test_abort_frees_the_request_blocks_between_steps(smollm2, make_engine):
     assert out.finish_reason == "abort" and not engine.has_unfinished()
     assert _pool_is_clean(engine)
     # Its full blocks stay cached for the next request with the same prefix.
-    again = engine.make_request("b", list(range(1000, 2200)), GREEDY, max_tokens=1)
+    again = make_request(engine, "b", list(range(1000, 2200)), GREEDY, max_tokens=1)
     run_to_completion(engine, [again])
     assert again.num_cached_tokens == 512
 
@@ -132,12 +132,12 @@ def test_a_request_the_whole_pool_cannot_hold_is_refused_and_others_are_capped(m
     engine = make_engine(kv_cache_tokens=1024, ctx_len=4096)
     prompt = list(range(1000, 3000))
     with pytest.raises(KVCacheCapacityError) as exc:
-        engine.make_request("big", prompt, GREEDY)
+        make_request(engine, "big", prompt, GREEDY)
     assert error_response(exc.value, "x")[0] == 400
     with pytest.raises(KVCacheCapacityError):
-        engine.make_request("fits-not", prompt[:1000], GREEDY, max_tokens=100)
+        make_request(engine, "fits-not", prompt[:1000], GREEDY, max_tokens=100)
     assert _pool_is_clean(engine)
-    req = engine.make_request("capped", prompt[:1000], SamplingParams(temperature=1.0, seed=1))
+    req = make_request(engine, "capped", prompt[:1000], SamplingParams(temperature=1.0, seed=1))
     assert req.max_tokens == 24  # 1024 - 1000
     out = run_to_completion(engine, [req])["capped"]
     assert len(out) <= 24 and req.finish_reason in ("length", "stop")
@@ -147,7 +147,7 @@ def test_a_request_the_whole_pool_cannot_hold_is_refused_and_others_are_capped(m
 def test_a_step_that_can_schedule_nothing_marks_the_engine_stalled(make_engine, monkeypatch):
     """The engine thread then waits for its inbox instead of stepping in a loop."""
     engine = make_engine(kv_cache_tokens=1024)
-    req = engine.make_request("r", [1, 2, 3], GREEDY, max_tokens=2)
+    req = make_request(engine, "r", [1, 2, 3], GREEDY, max_tokens=2)
     engine.add_request(req)
     monkeypatch.setattr(engine.kv, "allocate_slots", lambda *a, **k: False)
     assert engine.step() == [] and engine.stalled
@@ -162,7 +162,7 @@ def test_a_stop_string_ends_the_request_in_the_step_that_produced_it(smollm2, ma
     engine = make_engine(kv_cache_tokens=2048)
     prompt = smollm2.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
                                       add_special_tokens=False)
-    req = engine.make_request("s", prompt, GREEDY, max_tokens=40, stop=[" 17"])
+    req = make_request(engine, "s", prompt, GREEDY, max_tokens=40, stop=[" 17"])
     out = run_to_completion(engine, [req])["s"]
     text = smollm2.tokenizer.decode(out)
     assert " 17" in text and " 17" not in smollm2.tokenizer.decode(out[:-1]), text

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import make_request
 
 from kiln.api.errors import http_status
 from kiln.runtime.errors import InvalidRequestError
@@ -207,12 +208,12 @@ def test_dictated_tokens_stay_out_of_the_penalty_window(make_engine, smollm2):
     from kiln.runtime.sampling.params import SamplingParams
 
     engine = make_engine()
-    compiled = engine.grammars.get(GrammarSpec(
-        "ebnf", 'root ::= "Answer: \\"" [a-z]+ "\\"\\nAnswer: \\"" [a-z]+ "\\""'))
+    spec = GrammarSpec(
+        "ebnf", 'root ::= "Answer: \\"" [a-z]+ "\\"\\nAnswer: \\"" [a-z]+ "\\""')
     prompt = smollm2.tokenizer.encode("Name two colours.", add_special_tokens=False)
-    req = engine.make_request("g", prompt, SamplingParams(temperature=0.0, presence_penalty=2.0,
-                                                          repetition_penalty=2.0),
-                              max_tokens=24, grammar=compiled)
+    req = make_request(engine, "g", prompt, SamplingParams(temperature=0.0, presence_penalty=2.0,
+                                                   repetition_penalty=2.0),
+                       max_tokens=24, grammar=spec)
     engine.add_request(req)
     while engine.has_unfinished():
         engine.step()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.api.ollama.pull import _events
+from kiln.api.routes.ollama_pull import _events
 from kiln.runtime.store import pull as store
 from kiln.runtime.store.catalogue import CatalogueEntry, PackageFile, SamplingDefaults
 

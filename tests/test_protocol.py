@@ -5,22 +5,18 @@ import logging
 
 import pytest
 
-from kiln.api.errors import InternalServerError, error_body, error_response, http_status
-from kiln.api.json_fields import load_json_body
-from kiln.api.protocol import (
-    ChatMessage,
-    ResponseFormat,
-    ToolCall,
-    ToolChoice,
-    parse_chat_request,
-    parse_completion_request,
-)
+from kiln.api.errors import error_body, error_response, http_status
+from kiln.api.protocol.chat import ChatMessage, ResponseFormat, parse_chat_request
+from kiln.api.protocol.completions import parse_completion_request
+from kiln.api.protocol.fields import load_json_body
 from kiln.runtime.errors import (
     ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
+    RequestFailedError,
 )
 from kiln.runtime.sampling.settings import SamplingFields
+from kiln.runtime.text.tools import ToolCall, ToolChoice
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -85,7 +81,7 @@ def test_sdk_chat_body_with_extra_body_fields_at_top_level():
                                         think=False)
     assert r.messages == (ChatMessage("system", "Be brief."),
                           ChatMessage("user", "List ten animals, no repeats."))
-    assert (r.model, r.max_tokens, r.stop, r.user, r.stream) == (
+    assert (r.model, r.options.max_tokens, r.options.stop, r.user, r.stream) == (
         "smollm2:135m", 64, ("\n\n", "END"), "u-1", False)
 
 
@@ -98,9 +94,8 @@ def test_sdk_streaming_chat_with_usage_logprobs_and_continuation():
         reasoning_effort="low", extra_body={"continue_final_message": True},
     ))
     r = parse_chat_request(body)
-    assert (r.stream, r.include_usage, r.logprobs, r.top_logprobs, r.n) == (True, True, True,
-                                                                            5, 1)
-    assert r.continue_final_message and r.max_tokens == 1
+    assert (r.stream, r.include_usage, r.options.logprobs, r.n) == (True, True, 5, 1)
+    assert r.continue_final_message and r.options.max_tokens == 1
     assert r.sampling.reasoning_effort == "low" and r.messages[-1].role == "assistant"
 
 
@@ -157,8 +152,8 @@ def test_sdk_completion_bodies():
         extra_body={"repeat_last_n": 0}))
     r = parse_completion_request(body)
     assert path == "/v1/completions"
-    assert (r.prompt, r.max_tokens, r.logprobs, r.echo, r.stream, r.include_usage) == (
-        "Once upon a time", 16, 3, True, True, True)
+    assert (r.prompt, r.options.max_tokens, r.options.logprobs, r.echo, r.stream,
+            r.include_usage) == ("Once upon a time", 16, 3, True, True, True)
     assert r.sampling.temperature == 0 and r.sampling.repeat_last_n == 0
     _, body = sdk_body(lambda c: c.completions.create(model="m", prompt=[1, 2, 3]))
     assert parse_completion_request(body).prompt == (1, 2, 3)
@@ -246,9 +241,9 @@ def test_include_usage_of_the_wrong_type_names_the_nested_field():
 
 def test_ints_are_fine_for_numbers_and_integral_numbers_for_integers():
     r = chat(temperature=1, top_p=1, max_tokens=16.0, top_k=40.0, seed=7.0)
-    assert (r.sampling.temperature, r.sampling.top_p, r.max_tokens) == (1, 1, 16)
+    assert (r.sampling.temperature, r.sampling.top_p, r.options.max_tokens) == (1, 1, 16)
     assert (r.sampling.top_k, r.sampling.seed) == (40, 7)
-    assert isinstance(r.max_tokens, int) and isinstance(r.sampling.seed, int)
+    assert isinstance(r.options.max_tokens, int) and isinstance(r.sampling.seed, int)
 
 
 @pytest.mark.parametrize("seed", [True, 1.5, "42", 2**63, -(2**63) - 1, [1]])
@@ -291,9 +286,10 @@ def test_n_from_1_to_16():
 
 def test_logit_bias_min_tokens_and_ignore_eos():
     r = chat(logit_bias={"7": -100, "3": 2.5, "12": 100}, min_tokens=4, ignore_eos=True)
-    assert r.logit_bias == ((3, 2.5), (7, -100.0), (12, 100.0))
-    assert (r.min_tokens, r.ignore_eos) == (4, True)
-    assert chat().logit_bias == () and chat().min_tokens == 0 and not chat().ignore_eos
+    assert r.options.logit_bias == ((3, 2.5), (7, -100.0), (12, 100.0))
+    assert (r.options.min_tokens, r.options.ignore_eos) == (4, True)
+    plain = chat().options
+    assert plain.logit_bias == () and plain.min_tokens == 0 and not plain.ignore_eos
     for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {"1": 100.5}, {"1": -101}):
         rejects(parse_chat_request, {"messages": USER, "logit_bias": bad}, "logit_bias")
     rejects(parse_chat_request, {"messages": USER, "logit_bias": {"1": "a"}}, "logit_bias.1")
@@ -306,26 +302,27 @@ def test_the_developer_role_is_the_system_role():
 
 
 def test_max_tokens_bounds_and_precedence():
-    assert chat(max_tokens=10, max_completion_tokens=20).max_tokens == 20
-    assert chat(max_tokens=10).max_tokens == 10 and chat().max_tokens is None
+    assert chat(max_tokens=10, max_completion_tokens=20).options.max_tokens == 20
+    assert chat(max_tokens=10).options.max_tokens == 10 and chat().options.max_tokens is None
     rejects(parse_chat_request, {"messages": USER, "max_tokens": 0}, "max_tokens")
     rejects(parse_chat_request, {"messages": USER, "max_completion_tokens": -1},
             "max_completion_tokens")
 
 
 def test_stop_as_a_string_or_a_list():
-    assert chat(stop="END").stop == ("END",)
-    assert chat(stop=["a", "", "b"]).stop == ("a", "b")
-    assert chat(stop=None).stop == ()
+    assert chat(stop="END").options.stop == ("END",)
+    assert chat(stop=["a", "", "b"]).options.stop == ("a", "b")
+    assert chat(stop=None).options.stop == ()
 
 
 def test_logprobs_bounds():
-    assert chat(logprobs=True, top_logprobs=20).top_logprobs == 20
-    assert chat(logprobs=False, top_logprobs=0).logprobs is False
+    assert chat(logprobs=True, top_logprobs=20).options.logprobs == 20
+    assert chat(logprobs=False, top_logprobs=0).options.logprobs is None  # no logprobs
     rejects(parse_chat_request, {"messages": USER, "logprobs": True, "top_logprobs": 21},
             "top_logprobs")
     rejects(parse_chat_request, {"messages": USER, "top_logprobs": 2}, "top_logprobs")
-    assert completion(logprobs=0).logprobs == 0 and completion(logprobs=5).logprobs == 5
+    assert completion(logprobs=0).options.logprobs == 0
+    assert completion(logprobs=5).options.logprobs == 5
     rejects(parse_completion_request, {"prompt": "x", "logprobs": 6}, "logprobs")
     rejects(parse_completion_request, {"prompt": "x", "logprobs": -1}, "logprobs")
 
@@ -424,7 +421,7 @@ def test_error_bodies_have_openais_shape():
     status, body = error_response(ModelNotFoundError(), "r")
     assert (status, body["error"]["param"], body["error"]["code"]) == (404, "model",
                                                                         "model_not_found")
-    assert error_response(InternalServerError("req-9"), "r")[0] == 500
+    assert error_response(RequestFailedError("req-9"), "r")[0] == 500
 
 
 def test_an_unexpected_exception_is_a_500_quoting_the_request_id_and_logged(caplog):

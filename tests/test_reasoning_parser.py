@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kiln.api.reasoning import (
+from kiln.runtime.text.reasoning import (
     THINK_TAGS,
     ReasoningDelta,
     ReasoningParser,

@@ -25,7 +25,7 @@ import time
 
 import httpx
 import pytest
-from api_server import KilnServer
+from api_server import MODEL, KilnServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -236,12 +236,16 @@ def test_a_forced_tool_call_under_heavy_penalties_completes(server):
     whitespace (now one whitespace character per gap), then made the model open a second
     call: the newline of the call's fixed head was penalised, so the newline that closes
     the list lost to ',', and the second call never closed its string. Text the grammar
-    dictates stays out of the penalty window, so the calls complete, as without penalties."""
+    dictates stays out of the penalty window, so the calls complete, as without penalties.
+    The model's other defaults are sent too: the fuzz before leaves sticky values behind
+    (repeat_last_n 0 among them, which would turn these penalties off)."""
     client = server.client()
+    defaults = httpx.get(f"{server.url}/v1/models/{MODEL}").json()["defaults"]
+    heavy = {**defaults, "temperature": 1.0, "presence_penalty": 2.0,
+             "frequency_penalty": 2.0, "repetition_penalty": 2.0}
     for seed in range(4):
         r = client.chat.completions.create(
-            model="smollm2:135m", seed=seed, max_tokens=60, temperature=1.0, presence_penalty=2.0,
-            frequency_penalty=2.0, extra_body={"repetition_penalty": 2.0},
+            model="smollm2:135m", seed=seed, max_tokens=60, extra_body=heavy,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tools=[TOOL], tool_choice="required")
         choice = r.choices[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_to_completion
+from conftest import make_request, run_to_completion
 
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.sampling.params import SamplingParams
@@ -21,8 +21,8 @@ def _prompt(smollm2, text):
 
 def _generate(engine, prompt, sampling, max_tokens=16, logprobs=None, rid="r",
               ignore_eos=False):
-    req = engine.make_request(rid, prompt, sampling, max_tokens=max_tokens,
-                              num_top_logprobs=logprobs, ignore_eos=ignore_eos)
+    req = make_request(engine, rid, prompt, sampling, max_tokens=max_tokens,
+                       logprobs=logprobs, ignore_eos=ignore_eos)
     engine.add_request(req)
     tokens, lps = [], []
     while engine.has_unfinished():
@@ -127,15 +127,15 @@ def test_a_cached_conversation_carries_its_reply_tail_into_the_window(smollm2, m
     engine = make_engine(kv_cache_tokens=4096)
     sp = SamplingParams(temperature=0.0, presence_penalty=0.5, repeat_last_n=8)
     prompt = _prompt(smollm2, OPEN)
-    first = engine.make_request("a", prompt, sp, max_tokens=12, ignore_eos=True)
+    first = make_request(engine, "a", prompt, sp, max_tokens=12, ignore_eos=True)
     run_to_completion(engine, [first])
     follow_up = first.all_token_ids + _prompt(smollm2, "Another one.")
-    carried = engine.make_request("b", follow_up, sp, max_tokens=1)
+    carried = make_request(engine, "b", follow_up, sp, max_tokens=1)
     run_to_completion(engine, [carried])
     assert carried.window_prefix == first.output_token_ids
     # With a seed the window starts empty; a prompt that is no continuation carries nothing.
-    seeded = engine.make_request("c", follow_up, SamplingParams(
-        temperature=0.0, presence_penalty=0.5, repeat_last_n=8, seed=1), max_tokens=1)
-    fresh = engine.make_request("d", _prompt(smollm2, "Unrelated."), sp, max_tokens=1)
+    seeded = make_request(engine, "c", follow_up, SamplingParams(
+ temperature=0.0, presence_penalty=0.5, repeat_last_n=8, seed=1), max_tokens=1)
+    fresh = make_request(engine, "d", _prompt(smollm2, "Unrelated."), sp, max_tokens=1)
     run_to_completion(engine, [seeded, fresh])
     assert seeded.window_prefix == [] and fresh.window_prefix == []

@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 
 from kiln.api.errors import error_body, http_status
-from kiln.api.protocol import parse_chat_request
+from kiln.api.protocol.chat import parse_chat_request
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.settings import STICKY_FIELDS, SamplingFields, SamplingSettings

@@ -3,6 +3,7 @@ and unpacked bit for bit; the runner and the sampler each send once per step."""
 
 import numpy as np
 import torch
+from conftest import make_request
 
 from kiln.runtime.engine.staging import ALIGN, StagingBuffer
 
@@ -34,8 +35,8 @@ def test_a_step_sends_once_from_the_runner_and_once_from_the_sampler(make_engine
             engine.runner.staging = StagingBuffer("cpu", copy=True)
             engine.sampler.staging = StagingBuffer("cpu", copy=True)
         params = SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3)
-        reqs = [engine.make_request(f"r{i}", [1, 2, 3, 4 + i], params, max_tokens=6,
-                                    num_top_logprobs=2) for i in range(3)]
+        reqs = [make_request(engine, f"r{i}", [1, 2, 3, 4 + i], params, max_tokens=6,
+                             logprobs=2) for i in range(3)]
         steps = 0
 
         def step():

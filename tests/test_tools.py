@@ -1,26 +1,27 @@
-"""kiln/api/tools.py: what tools / tool_choice / response_format mean, the tool-call grammar with
-SmolLM2's real vocabulary, and tool calls read back out of text, streamed or not."""
+"""runtime/text/tools.py, tool_plan.py and tool_parser.py: what tools / tool_choice /
+response_format mean, the tool-call grammar with SmolLM2's real vocabulary, and tool calls
+read back out of text, streamed or not."""
 
 import json
 import random
 
 import pytest
 
-from kiln.api.protocol import parse_chat_request
-from kiln.api.tools import (
-    HERMES,
-    SMOLLM2,
-    ToolCallParser,
-    parse_tool_calls,
-    plan_tools,
-    template_handles_tools,
-    tool_format_for,
-    tool_messages,
-)
+from kiln.api.pipeline.chat import tool_plan
+from kiln.api.protocol.chat import parse_chat_request
+from kiln.api.routes.chat_completions import tool_call_delta_json
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.text.chat_template import ChatTemplate
 from kiln.runtime.text.tokenizer import Tokenizer, gguf_reader
+from kiln.runtime.text.tool_parser import ToolCallParser, parse_tool_calls
+from kiln.runtime.text.tools import (
+    HERMES,
+    SMOLLM2,
+    template_handles_tools,
+    tool_format_for,
+    tool_messages,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -60,39 +61,39 @@ def steps_through(state: GrammarState, tok, text: str) -> bool:
 # --- the plan -------------------------------------------------------------------------------
 
 def test_plan_for_each_tool_choice():
-    auto = plan_tools(chat(tools=[WEATHER, TIME]), SMOLLM2)
+    auto = tool_plan(chat(tools=[WEATHER, TIME]), SMOLLM2)
     assert auto.choice.mode == "auto" and auto.grammar is None and auto.parse_calls
     assert auto.max_calls is None and [t.name for t in auto.prompt_tools] == ["get_weather",
                                                                              "get_time"]
-    required = plan_tools(chat(tools=[WEATHER, TIME], tool_choice="required"), SMOLLM2)
+    required = tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required"), SMOLLM2)
     assert required.grammar.kind == "structural_tag" and required.grammar.param == "tools"
     assert required.parse_calls
-    named = plan_tools(chat(tools=[WEATHER, TIME], tool_choice={
+    named = tool_plan(chat(tools=[WEATHER, TIME], tool_choice={
         "type": "function", "function": {"name": "get_time"}}), SMOLLM2)
     assert named.max_calls == 1 and 'get_time' in named.grammar.text
     assert 'get_weather' not in named.grammar.text
-    none = plan_tools(chat(tools=[WEATHER], tool_choice="none"), SMOLLM2)
+    none = tool_plan(chat(tools=[WEATHER], tool_choice="none"), SMOLLM2)
     assert none.prompt_tools == () and none.grammar is None and none.parser() is None
-    no_tools = plan_tools(chat(), SMOLLM2)
+    no_tools = tool_plan(chat(), SMOLLM2)
     assert no_tools.choice.mode == "none" and not no_tools.parse_calls
-    single = plan_tools(chat(tools=[WEATHER], parallel_tool_calls=False), SMOLLM2)
+    single = tool_plan(chat(tools=[WEATHER], parallel_tool_calls=False), SMOLLM2)
     assert single.max_calls == 1
 
 
 def test_plan_for_response_format():
-    assert plan_tools(chat(response_format={"type": "text"}), HERMES).grammar is None
-    assert plan_tools(chat(response_format={"type": "json_object"}), HERMES).grammar.kind == \
+    assert tool_plan(chat(response_format={"type": "text"}), HERMES).grammar is None
+    assert tool_plan(chat(response_format={"type": "json_object"}), HERMES).grammar.kind == \
         "json_object"
     schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}
-    spec = plan_tools(chat(response_format={"type": "json_schema", "json_schema": {
+    spec = tool_plan(chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": schema}}), HERMES).grammar
     assert spec.kind == "json_schema" and json.loads(spec.text) == schema
     assert list(json.loads(spec.text)["properties"]) == ["b", "a"]  # order kept
     # A forced call wins over response_format; with "auto" the format holds and no call parses.
-    forced = plan_tools(chat(tools=[WEATHER], tool_choice="required",
+    forced = tool_plan(chat(tools=[WEATHER], tool_choice="required",
                              response_format={"type": "json_object"}), HERMES)
     assert forced.grammar.kind == "structural_tag"
-    auto = plan_tools(chat(tools=[WEATHER], response_format={"type": "json_object"}), HERMES)
+    auto = tool_plan(chat(tools=[WEATHER], response_format={"type": "json_object"}), HERMES)
     assert auto.grammar.kind == "json_object" and not auto.parse_calls
 
 
@@ -103,7 +104,7 @@ def test_plan_for_response_format():
 ])
 def test_bad_tool_names_are_400s(tools, param):
     with pytest.raises(InvalidRequestError) as err:
-        plan_tools(chat(tools=tools), HERMES)
+        tool_plan(chat(tools=tools), HERMES)
     assert err.value.param == param
 
 
@@ -121,7 +122,7 @@ def test_protocol_already_rejects_the_rest():
 
 def test_invalid_parameters_schema_is_a_400_on_tools(grammars):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
-    spec = plan_tools(chat(tools=[bad], tool_choice="required"), HERMES).grammar
+    spec = tool_plan(chat(tools=[bad], tool_choice="required"), HERMES).grammar
     with pytest.raises(InvalidRequestError) as err:
         grammars.get(spec)
     assert err.value.param == "tools"
@@ -131,7 +132,7 @@ def test_invalid_parameters_schema_is_a_400_on_tools(grammars):
 
 @pytest.mark.parametrize("fmt", [SMOLLM2, HERMES])
 def test_named_function_grammar_takes_its_call_and_refuses_another(grammars, tok, fmt):
-    spec = plan_tools(chat(tools=[WEATHER, TIME], tool_choice={
+    spec = tool_plan(chat(tools=[WEATHER, TIME], tool_choice={
         "type": "function", "function": {"name": "get_weather"}}), fmt).grammar
     compiled = grammars.get(spec)
     call = fmt.render_calls([("get_weather", '{"city": "Paris", "days": 2}')])
@@ -148,7 +149,7 @@ def test_named_function_grammar_takes_its_call_and_refuses_another(grammars, tok
 
 @pytest.mark.parametrize("fmt", [SMOLLM2, HERMES])
 def test_required_grammar_takes_several_calls_of_any_tool_but_no_text(grammars, tok, fmt):
-    compiled = grammars.get(plan_tools(chat(tools=[WEATHER, TIME], tool_choice="required"),
+    compiled = grammars.get(tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required"),
                                        fmt).grammar)
     calls = [("get_time", '{"tz": "CET"}'), ("get_weather", '{"city": "Oslo"}')]
     assert steps_through(GrammarState(compiled), tok, fmt.render_calls(calls))
@@ -158,7 +159,7 @@ def test_required_grammar_takes_several_calls_of_any_tool_but_no_text(grammars, 
 
 
 def test_required_without_parallel_calls_allows_one(grammars):
-    compiled = grammars.get(plan_tools(chat(tools=[WEATHER, TIME], tool_choice="required",
+    compiled = grammars.get(tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required",
                                             parallel_tool_calls=False), SMOLLM2).grammar)
     one = SMOLLM2.render_calls([("get_time", '{"tz": "CET"}')])
     two = SMOLLM2.render_calls([("get_time", '{"tz": "CET"}')] * 2)
@@ -168,7 +169,7 @@ def test_required_without_parallel_calls_allows_one(grammars):
 
 def test_tool_without_parameters_takes_an_object(grammars):
     bare = {"type": "function", "function": {"name": "ping"}}
-    compiled = grammars.get(plan_tools(chat(tools=[bare], tool_choice="required"),
+    compiled = grammars.get(tool_plan(chat(tools=[bare], tool_choice="required"),
                                        HERMES).grammar)
     assert GrammarState(compiled).matcher.accept_string(HERMES.render_calls([("ping", "{}")]))
     assert not GrammarState(compiled).matcher.accept_string(
@@ -252,7 +253,7 @@ def stream(text: str, cuts: list[int], fmt, **kw):
     calls: dict[int, dict] = {}
     for d in deltas:
         for t in d.tool_calls:
-            j = t.to_json()
+            j = tool_call_delta_json(t)
             if t.index not in calls:  # the first delta of a call names it
                 assert j["id"].startswith("call_") and j["type"] == "function", j
                 calls[t.index] = {"name": j["function"]["name"], "arguments": ""}
@@ -287,7 +288,7 @@ def test_arguments_stream_before_the_call_closes():
     assert [(t.index, t.name, t.arguments) for t in first.tool_calls] == \
         [(0, "get_time", '{"tz": "Europe/')]
     rest = parser.feed(text[cut:])
-    assert [t.to_json() for t in rest.tool_calls] == \
+    assert [tool_call_delta_json(t) for t in rest.tool_calls] == \
         [{"index": 0, "function": {"arguments": 'Paris"}'}}]
     assert first.content == rest.content == ""
 
@@ -308,7 +309,7 @@ def test_smollm2_template_ignores_tools_so_kiln_describes_them(reader):
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     ], "tools": [WEATHER]})
-    plan = plan_tools(req, SMOLLM2)
+    plan = tool_plan(req, SMOLLM2)
     messages = tool_messages([m.to_template() for m in req.messages], plan.prompt_tools,
                              SMOLLM2)
     prompt = template.render(messages, add_generation_prompt=True)
@@ -323,7 +324,7 @@ def test_smollm2_template_ignores_tools_so_kiln_describes_them(reader):
 
 def test_tool_prompt_joins_an_existing_system_message():
     messages = tool_messages([{"role": "system", "content": "Be brief."}, *USER],
-                             plan_tools(chat(tools=[WEATHER]), HERMES).prompt_tools, HERMES)
+                             tool_plan(chat(tools=[WEATHER]), HERMES).prompt_tools, HERMES)
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
     assert '{"type": "function", "function": {"name": "get_weather"' in messages[0]["content"]
     assert messages[1:] == USER

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_to_completion
+from conftest import make_request, run_to_completion
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.cpu.backend import CpuBackend
@@ -56,8 +56,8 @@ def _requests(engine, tag):
         (list(range(100, 140)), SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
                                                repetition_penalty=1.3, seed=-3)),
     ]
-    return [engine.make_request(f"{tag}{i}", p, sp, max_tokens=6, num_top_logprobs=2,
-                                ignore_eos=True) for i, (p, sp) in enumerate(specs)]
+    return [make_request(engine, f"{tag}{i}", p, sp, max_tokens=6, logprobs=2,
+                         ignore_eos=True) for i, (p, sp) in enumerate(specs)]
 
 
 def _run(engine, requests) -> dict[str, list[tuple[int, float]]]:
@@ -114,9 +114,8 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
 def test_the_triton_sampler_follows_the_grammar_bitmask(engines, smollm2):
     outputs = []
     for engine in engines:
-        compiled = engine.grammars.get(GrammarSpec("json_object"))
-        req = engine.make_request("g", [1, 2, 3], SamplingParams(temperature=1.0, seed=1),
-                                  max_tokens=12, grammar=compiled)
+        req = make_request(engine, "g", [1, 2, 3], SamplingParams(temperature=1.0, seed=1),
+                           max_tokens=12, grammar=GrammarSpec("json_object"))
         outputs.append(run_to_completion(engine, [req])["g"])
     assert outputs[0] == outputs[1]
     text = smollm2.tokenizer.decode(outputs[0])
@@ -134,13 +133,13 @@ def test_bias_min_tokens_prompt_logprobs_and_choices_match_the_cpu_engine(engine
         prompt = [(i * 53) % 4000 + 7 for i in range(40)]
         eos = sorted(engine.loaded.tokenizer.stop_token_ids)
         bias = tuple(sorted({17: 5.0, 300: -3.0, 4001: 2.5}.items()))
-        leader = engine.make_request("a", prompt, SamplingParams(temperature=0.9, seed=5),
-                                     max_tokens=4, num_top_logprobs=1, logit_bias=bias,
-                                     min_tokens=4, prompt_logprobs=2,
-                                     stop_token_ids=frozenset(eos))
-        sibling = engine.make_request("b", prompt, SamplingParams(temperature=0.0),
-                                      max_tokens=3, num_top_logprobs=1, prefill_leader="a",
-                                      logit_bias=((eos[0], float("-inf")),))
+        leader = make_request(engine, "a", prompt, SamplingParams(temperature=0.9, seed=5),
+                              max_tokens=4, logprobs=1, logit_bias=bias,
+                              min_tokens=4, prompt_logprobs=2,
+                              stop_token_ids=frozenset(eos))
+        sibling = make_request(engine, "b", prompt, SamplingParams(temperature=0.0),
+                               max_tokens=3, logprobs=1, prefill_leader="a",
+                               logit_bias=((eos[0], float("-inf")),))
         for r in (leader, sibling):
             engine.add_request(r)
         outs = []

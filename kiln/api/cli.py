@@ -54,6 +54,7 @@ def cmd_pull(args) -> int:
 
 def cmd_run(args) -> int:
     from kiln.runtime.engine.bootstrap import build_engine
+    from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions
     from kiln.runtime.errors import KilnError
     from kiln.runtime.sampling.settings import SamplingFields, SamplingSettings
     from kiln.runtime.store.gguf_file import ModelLoadError
@@ -74,7 +75,8 @@ def cmd_run(args) -> int:
         [{"role": "user", "content": args.prompt}]
     ids = loaded.chat_prompt_ids(messages)
     try:
-        req = engine.make_request("run-0", ids, sampling, max_tokens=args.max_tokens)
+        req = engine.make_request("run-0", EngineRequest(
+            ids, sampling, RequestOptions(max_tokens=args.max_tokens)))
     except KilnError as exc:
         print(f"kiln run: {exc.message}", file=sys.stderr)
         return 1

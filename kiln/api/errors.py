@@ -3,8 +3,9 @@
 Ollama's routes (`ollama_route`), in Ollama's shape `{"error": "message"}`, same status.
 
 The runtime raises its typed errors (runtime/errors.py) without knowing HTTP; this module maps
-each class to a status and OpenAI's error `type`. The server calls `error_response` from its
-exception handler; nothing else builds error bodies.
+each class to a status and OpenAI's error `type`, and defines the few errors only the HTTP
+layer raises (a key, a shutdown, a download). The server calls `error_response` from its
+exception handler, a stream's writer `error_body`; nothing else builds error bodies.
 """
 
 from __future__ import annotations
@@ -16,36 +17,10 @@ from kiln.runtime.errors import (
     InvalidRequestError,
     KilnError,
     ModelNotFoundError,
+    RequestFailedError,
 )
 
-__all__ = [
-    "AuthenticationError",
-    "ContextLengthError",
-    "InternalServerError",
-    "InvalidRequestError",
-    "KilnError",
-    "ModelNotFoundError",
-    "ServiceUnavailableError",
-    "UpstreamError",
-    "error_body",
-    "error_response",
-    "http_status",
-    "ollama_error_body",
-    "ollama_route",
-]
-
 logger = logging.getLogger("kiln")
-
-
-class InternalServerError(KilnError):
-    """A bug or a failure on our side (500); the message carries the request id to quote."""
-
-    def __init__(self, request_id: str, detail: str = "") -> None:
-        message = f"The server had an error while processing request {request_id}."
-        if detail:
-            message += f" {detail}"
-        super().__init__(message, param=None, code=None)
-        self.request_id = request_id
 
 
 class ServiceUnavailableError(KilnError):
@@ -80,6 +55,7 @@ _HTTP = (
     (ContextLengthError, 400, "model_error"),  # the reference runtime's body, word for word
     (ModelNotFoundError, 404, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
+    (RequestFailedError, 500, "server_error"),
     (KilnError, 500, "server_error"),
 )
 
@@ -105,7 +81,7 @@ def error_response(exc: BaseException, request_id: str) -> tuple[int, dict]:
     """
     if not isinstance(exc, KilnError):
         logger.error("[kiln]  Internal error in request %s", request_id, exc_info=exc)
-        exc = InternalServerError(request_id)
+        exc = RequestFailedError(request_id)
     return http_status(exc), error_body(exc)
 
 

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kiln.api.generation import Totals
-from kiln.runtime.engine.llm_engine import EngineStats
+from kiln.api.pipeline.assembler import Totals
+from kiln.runtime.engine.stats import EngineStats, RoutingStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -74,7 +74,7 @@ class RoutingCollector:
     """`kiln serve --replicas`: how often a request went to a replica that held part of its
     prompt (kiln.cluster's RoutingStats, read when Prometheus scrapes; nothing otherwise)."""
 
-    def __init__(self, routing: Callable[[], object | None]):
+    def __init__(self, routing: Callable[[], RoutingStats | None]):
         self.routing = routing
 
     def collect(self) -> Iterable[Metric]:
@@ -98,7 +98,7 @@ class RoutingCollector:
 
 class Metrics:
     def __init__(self, engine_stats: Callable[[], EngineStats | None],
-                 routing_stats: Callable[[], object | None] = lambda: None):
+                 routing_stats: Callable[[], RoutingStats | None] = lambda: None):
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
         self.http_requests = Counter("kiln:http_requests", "HTTP responses by route, method "

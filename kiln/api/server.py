@@ -9,19 +9,46 @@ import sys
 
 from sanic import Sanic
 from sanic.exceptions import SanicException
-from sanic.response import json, raw
+from sanic.response import json
 
-from kiln.api import access, ollama
+from kiln.api import access
 from kiln.api.errors import error_response, ollama_error_body, ollama_route
-from kiln.api.handlers import chat_completions, completions
-from kiln.api.json_fields import load_json_body
-from kiln.api.metrics import CONTENT_TYPE_LATEST
-from kiln.api.models import defaults_json, list_models, retrieve_model
-from kiln.api.openai_responses import create_response
-from kiln.api.responses import new_id
+from kiln.api.pipeline.admission import new_id
+from kiln.api.routes import (
+    chat_completions,
+    completions,
+    models,
+    ollama_chat,
+    ollama_models,
+    ollama_pull,
+    ops,
+    responses,
+    tokenize,
+)
 from kiln.api.state import ServeOptions, ServerState
-from kiln.api.tokenize import detokenize, tokenize
-from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.errors import KilnError
+
+# (handler, path, method). A model id may hold ':' and '/' (smollm2:135m): the rest of the
+# path is the id.
+ROUTES = (
+    (chat_completions.chat_completions, "/v1/chat/completions", "POST"),
+    (completions.completions, "/v1/completions", "POST"),
+    (responses.create_response, "/v1/responses", "POST"),
+    (models.list_models, "/v1/models", "GET"),
+    (models.retrieve_model, "/v1/models/<model_id:path>", "GET"),
+    (tokenize.tokenize, "/tokenize", "POST"),
+    (tokenize.detokenize, "/detokenize", "POST"),
+    (ops.metrics, "/metrics", "GET"),
+    (ops.health, "/health", "GET"),
+    (ops.load, "/api/load", "POST"),
+    (ollama_chat.chat, "/api/chat", "POST"),
+    (ollama_chat.generate, "/api/generate", "POST"),
+    (ollama_models.tags, "/api/tags", "GET"),
+    (ollama_models.show, "/api/show", "POST"),
+    (ollama_models.ps, "/api/ps", "GET"),
+    (ollama_models.version, "/api/version", "GET"),
+    (ollama_pull.pull, "/api/pull", "POST"),
+)
 
 log = logging.getLogger("kiln")
 
@@ -57,8 +84,8 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
 
     @app.after_server_stop
     async def stop_engine(app):
-        if state.engine is not None:
-            state.engine.shutdown()
+        if state.serving is not None:
+            state.serving.engine.shutdown()
 
     access.install(app, state.options.access)
 
@@ -67,41 +94,10 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         route = request.route.uri if request.route else "unmatched"
         state.metrics.http_response(route, request.method, response.status)
 
-    app.add_route(chat_completions, "/v1/chat/completions", methods=["POST"])
-    app.add_route(completions, "/v1/completions", methods=["POST"])
-    app.add_route(create_response, "/v1/responses", methods=["POST"])
-    app.add_route(list_models, "/v1/models", methods=["GET"])
-    # A model id may hold ':' and '/' (smollm2:135m): the rest of the path is the id.
-    app.add_route(retrieve_model, "/v1/models/<model_id:path>", methods=["GET"])
-    app.add_route(tokenize, "/tokenize", methods=["POST"])
-    app.add_route(detokenize, "/detokenize", methods=["POST"])
-
-    @app.get("/metrics")
-    async def metrics(request):
-        return raw(state.metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/health")
-    async def health(request):
-        loaded = state.loaded
-        free, total = state.engine.kv_blocks() if state.engine else (0, 0)
-        body = {"status": "draining" if state.draining else "ok",
-                "model": loaded.name if loaded else None, "in_flight": state.in_flight,
-                "kv_free_blocks": free, "kv_total_blocks": total}
-        if hasattr(state.engine, "cluster_health"):  # --replicas: replicas and routing
-            body["cluster"] = state.engine.cluster_health()
-        return json(body)
-
-    @app.post("/api/load")
-    async def load(request):
-        body = load_json_body(request.body)
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            raise InvalidRequestError("'model' must be a model name.", param="model")
-        await state.ensure_model(model, reload=True)
-        return json({"status": "loaded", "model": state.loaded.name,
-                     "defaults": defaults_json(state.loaded.defaults)})
-
-    ollama.add_routes(app)
+    app.ctx.ollama_pulls = {}  # tag -> the ollama_pull.Pull under way
+    for handler, path, method in ROUTES:
+        app.add_route(handler, path, methods=[method],
+                      name=f"{handler.__module__.rsplit('.', 1)[-1]}_{handler.__name__}")
 
     @app.exception(Exception)
     async def on_error(request, exc):

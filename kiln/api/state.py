@@ -1,7 +1,9 @@
-"""What the server holds: the loaded model, its engine, its sticky sampling settings.
+"""What the server holds: the `Serving` snapshot (the loaded model, its engine, its sticky
+sampling settings), swapped whole by a model switch.
 
-Switching models waits until no request is in flight, so a reply never changes model
-half-way; the new model starts from its default sampling settings.
+A request takes the snapshot once (`ServerState.use`) and holds it to its end; switching models
+waits until no request holds one, so a reply never changes model half-way. The new model starts
+from its default sampling settings.
 
 A request may name a catalogue tag, the model the operator started the server with, or a
 `.gguf` file in the operator's model directories, never a path: any other name is the same
@@ -12,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from kiln.api.access import AccessPolicy
 from kiln.api.metrics import Metrics
 from kiln.cluster.options import ClusterOptions
-from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
+from kiln.runtime.engine.bootstrap import EngineOptions, start_engine
+from kiln.runtime.engine.client import EngineClient
 from kiln.runtime.engine.config import EngineConfig
-from kiln.runtime.engine.llm_engine import AsyncEngine
 from kiln.runtime.errors import ModelNotFoundError
-from kiln.runtime.models.loader import LoadedModel
+from kiln.runtime.models.loader import ModelInfo
 from kiln.runtime.sampling.settings import SamplingSettings
 from kiln.runtime.store.catalogue import lookup
 from kiln.runtime.store.gguf_file import ModelLoadError
@@ -51,23 +56,40 @@ class ModelRef:
     path: Path | None = None  # a models-directory file
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What serves requests now: taken whole by a request, replaced whole by a switch."""
+
+    ref: ModelRef
+    model: ModelInfo
+    engine: EngineClient
+    settings: SamplingSettings
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+
 class ServerState:
     def __init__(self, options: ServeOptions):
         self.options = options
         self.model_dirs = ModelDirs(tuple(options.models_dirs))
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine else None,
-                               self._routing_stats)
-        self.loaded: LoadedModel | None = None
-        self.loaded_ref: ModelRef | None = None
+        self.metrics = Metrics(lambda: s.engine.stats() if (s := self.serving) else None,
+                               lambda: s.engine.routing_stats() if (s := self.serving) else None)
+        self.serving: Serving | None = None
         self.startup: ModelRef | None = None  # the operator's model, from the command line
-        self.engine: AsyncEngine | None = None
-        self.settings: SamplingSettings | None = None
-        self.config: EngineConfig | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # requests holding the snapshot
         self.draining = False  # SIGTERM received: new requests get a 503
         self._idle = asyncio.Event()
         self._idle.set()
         self._switch = asyncio.Lock()
+        self.launch: Callable[[str], tuple[ModelInfo, EngineClient]]
+        if options.cluster is not None:  # the same interface, over Ray Serve replicas
+            from kiln.cluster.launch import ClusterLauncher
+
+            self.launch = ClusterLauncher(options.engine, options.cluster)
+        else:
+            self.launch = partial(start_engine, options=options.engine)
 
     def start(self, model: str) -> None:
         """Load the command line's model: any tag or path (the operator's choice), which
@@ -81,35 +103,24 @@ class ServerState:
         The old engine is stopped only once the new model has loaded: a load that fails
         (not a GGUF, a failed pull) leaves the server serving the model it had.
         """
-        if self.options.cluster is not None:  # the same interface, over Ray Serve replicas
-            from kiln.cluster.launch import start_cluster
-
-            loaded, engine = start_cluster(ref.source, self.options.engine,
-                                           self.options.cluster, previous=self.engine)
-        else:
-            loaded, engine = build_engine(ref.source, self.options.engine)
-        loaded.name = ref.name  # a models-directory file is known by its file name
-        if self.engine is not None:
-            self.metrics.engine_retired(self.engine.stats())
-            self.engine.shutdown()
-        self.loaded, self.loaded_ref, self.config = loaded, ref, engine.config
-        self.engine = engine if self.options.cluster is not None else AsyncEngine(engine)
-        self.settings = SamplingSettings(loaded.defaults,
-                                         per_request=self.options.per_request_sampling)
-        config = self.config
+        model, engine = self.launch(ref.source)
+        # A models-directory file is known by its file name.
+        serving = Serving(ref, replace(model, name=ref.name), engine,
+                          SamplingSettings(model.defaults,
+                                           per_request=self.options.per_request_sampling))
+        old, self.serving = self.serving, serving
+        if old is not None:
+            self.metrics.engine_retired(old.engine.stats())
+            old.engine.shutdown()
+        config = engine.config
         log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
                  "(%d blocks of %d)", ref.name, config.ctx_len, config.prefill_chunk_len,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)
 
-    def _routing_stats(self):
-        """kiln.cluster's routing counters; None for a single engine."""
-        routing = getattr(self.engine, "routing_stats", None)
-        return routing() if routing is not None else None
-
     def resolve(self, name: str) -> ModelRef:
         """The model a client's name means. Only a listing of the model directories is
         compared with it: no other name reaches the file system."""
-        for ref in (self.loaded_ref, self.startup):
+        for ref in (self.serving and self.serving.ref, self.startup):
             if ref is not None and name == ref.name:
                 return ref
         if lookup(name) is not None:
@@ -121,7 +132,7 @@ class ServerState:
 
     def is_loaded(self, ref: ModelRef | None) -> bool:
         """Whether `ref` is the loaded model (None: whichever is loaded)."""
-        loaded = self.loaded
+        loaded = self.serving and self.serving.model
         if ref is None or loaded is None:
             return ref is None
         if ref.name == loaded.name:
@@ -167,18 +178,24 @@ class ServerState:
         deadline = loop.time() + timeout
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight and self.engine is not None:
+        if self.in_flight and self.serving is not None:
             log.info("[kiln]  Ending the %d requests still running", self.in_flight)
-            self.engine.abort_all(reason="shutdown")
+            self.serving.engine.abort_all(reason="shutdown")
             deadline = loop.time() + 5.0
             while self.in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
 
-    def begin(self) -> None:
+    @asynccontextmanager
+    async def use(self, name: str | None) -> AsyncIterator[Serving]:
+        """The snapshot serving the model `name` means (loading it first if need be), held
+        until the request is done: a switch waits for it."""
+        await self.ensure_model(name)
+        serving = self.serving  # ensure_model returned with nothing awaited since: it is name's
         self.in_flight += 1
         self._idle.clear()
-
-    def end(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        try:
+            yield serving
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()

@@ -1,7 +1,7 @@
 """Start (or attach to) the Ray cluster, deploy the replicas, and build the ingress's side of
 the model: its tokenizer and chat template, without its weights.
 
-`start_cluster` is `kiln serve --replicas N`'s counterpart of `build_engine`. A local cluster
+`ClusterLauncher` is `kiln serve --replicas N`'s counterpart of `start_engine`. A local cluster
 (no --ray-address) belongs to this process and goes with it; on a cluster it attached to,
 shutting down removes only its own Serve application.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 from kiln.cluster.engine import ClusterEngine
 from kiln.cluster.messages import ReplicaReport
@@ -19,11 +18,7 @@ from kiln.cluster.options import ClusterError, ClusterOptions
 from kiln.cluster.replica import KilnReplica
 from kiln.runtime.engine.bootstrap import EngineOptions
 from kiln.runtime.engine.config import EngineConfig
-from kiln.runtime.models.loader import ARCHITECTURES, LoadedModel
-from kiln.runtime.store.gguf_file import open_gguf
-from kiln.runtime.store.pull import resolve_model
-from kiln.runtime.text.chat_template import ChatTemplate
-from kiln.runtime.text.tokenizer import Tokenizer
+from kiln.runtime.models.loader import ModelInfo, describe_model
 
 log = logging.getLogger("kiln")
 
@@ -31,20 +26,6 @@ ROUTER = "kiln.cluster.router.PrefixAwareRouter"
 # A replica takes as many requests as are sent: its own scheduler queues them, and Serve's
 # rejection (a full replica) would only hide the load from the router.
 MAX_ONGOING_REQUESTS = 4096
-
-
-def describe_model(name: str) -> LoadedModel:
-    """The model as the ingress needs it (pulled if it must be, tokenizer, template, the
-    config the API reads), with no weights: the replicas load those. Raises as load_model
-    does (PullError, ModelLoadError) for a model no replica could load."""
-    t0 = time.perf_counter()
-    path, entry = resolve_model(name)
-    gf = open_gguf(path)
-    config = ARCHITECTURES[gf.arch].read_config(gf)
-    tokenizer = Tokenizer.from_gguf(gf.reader)
-    template = ChatTemplate.from_gguf(gf.reader, fallback=entry.chat_template if entry else None)
-    return LoadedModel(name, Path(path), entry, config, None, tokenizer, template,
-                       time.perf_counter() - t0)
 
 
 class Cluster:
@@ -133,15 +114,22 @@ class Cluster:
         log.info("[kiln]  Cluster stopped")
 
 
-def start_cluster(model: str, engine: EngineOptions, options: ClusterOptions,
-                  previous: ClusterEngine | None = None) -> tuple[LoadedModel, ClusterEngine]:
-    """Load `model` on N replicas behind one ClusterEngine. previous: the engine serving now
-    (a model switch): its cluster is reused and its replicas replaced."""
-    loaded = describe_model(model)  # a model no replica could load fails here, first
-    cluster = previous.cluster if isinstance(previous, ClusterEngine) else Cluster(options)
-    capacity = EngineConfig.build(loaded.ctx_len, loaded.max_prefill_len,
-                                  ctx_len=engine.ctx_len,
-                                  kv_cache_tokens=engine.kv_cache_tokens).num_blocks
-    cluster.deploy(model, engine, capacity)
-    cluster.current = ClusterEngine(cluster, loaded, cluster.reports())
-    return loaded, cluster.current
+class ClusterLauncher:
+    """`kiln serve --replicas N`'s counterpart of bootstrap.start_engine: each call loads a
+    model on the replicas behind a new ClusterEngine. The first starts (or attaches to) the
+    cluster; a later one, a model switch, replaces the replicas of the same application."""
+
+    def __init__(self, engine: EngineOptions, options: ClusterOptions):
+        self.engine, self.options = engine, options
+        self.cluster: Cluster | None = None
+
+    def __call__(self, model: str) -> tuple[ModelInfo, ClusterEngine]:
+        info = describe_model(model)  # a model no replica could load fails here, first
+        if self.cluster is None:
+            self.cluster = Cluster(self.options)
+        capacity = EngineConfig.build(info.ctx_len, info.max_prefill_len,
+                                      ctx_len=self.engine.ctx_len,
+                                      kv_cache_tokens=self.engine.kv_cache_tokens).num_blocks
+        self.cluster.deploy(model, self.engine, capacity)
+        self.cluster.current = ClusterEngine(self.cluster, info, self.cluster.reports())
+        return info, self.cluster.current

@@ -1,40 +1,25 @@
 """What crosses between the ingress and a replica: a request (EngineCall), its outputs
 (ReplicaChunk) and a replica's report of itself (ReplicaReport). Plain dataclasses, pickled by
-Ray; nothing here holds a process-local object (a compiled grammar travels as its spec)."""
+Ray; nothing here holds a process-local object (a grammar travels as its spec)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kiln.runtime.engine.config import EngineConfig
-from kiln.runtime.engine.llm_engine import EngineStats
+from kiln.runtime.engine.engine_request import EngineRequest
 from kiln.runtime.engine.request import RequestOutput
-from kiln.runtime.sampling.grammar import GrammarSpec
-from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.engine.stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """One request, fully resolved by the ingress: the sampling values are the sticky
-    settings' snapshot, so a replica never decides any of them."""
+    """One request as the ingress admitted it (its sampling values are the sticky settings'
+    snapshot, so a replica decides none of them), with what the router ranks replicas by."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    block_hashes: list[int]  # the prompt's full blocks, for the router (prefix_index.py)
-    max_tokens: int | None = None
-    stop_token_ids: frozenset[int] | None = None
-    num_top_logprobs: int | None = None
-    ignore_eos: bool = False
-    grammar: GrammarSpec | None = None  # compiled on the replica (its own cache)
-    grammar_prefix: str = ""
-    stop: list[str] | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    prompt_logprobs: int | None = None
-    # n > 1: choice 0's request id. The router sends the same prompt to the same replica,
-    # where the sibling shares its prefill if it arrives after it (else it reads it itself).
-    prefill_leader: str | None = None
+    request: EngineRequest
+    block_hashes: list[int]  # the prompt's full blocks (prefix_index.py)
 
 
 @dataclass(frozen=True, slots=True)

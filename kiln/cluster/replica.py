@@ -5,7 +5,6 @@ aborts the request in the engine and frees its KV blocks."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -13,8 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from kiln.cluster.messages import EngineCall, ReplicaChunk, ReplicaReport
-from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
-from kiln.runtime.engine.llm_engine import AsyncEngine
+from kiln.runtime.engine.bootstrap import EngineOptions, start_engine
 
 log = logging.getLogger("kiln")
 
@@ -46,35 +44,25 @@ class KilnReplica:
             # would otherwise each spin a thread per core.
             options = replace(options, threads=max(1, int(cpus)))
         self.model = model
-        _, llm = build_engine(model, options)
-        self.engine = AsyncEngine(llm)
+        _, self.engine = start_engine(model, options)
         self.requests = 0
         log.info("[kiln]  Replica %s (pid %d) serving %s on %s threads", self.replica_id,
                  os.getpid(), model, options.threads or "all")
 
     async def generate(self, call: EngineCall) -> AsyncIterator[ReplicaChunk]:
-        grammar = None
-        if call.grammar is not None:  # checked at the ingress already; compiled here, cached
-            grammar = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.compile_grammar, call.grammar)
-        stream = self.engine.add_request(
-            call.request_id, call.prompt_token_ids, call.sampling, max_tokens=call.max_tokens,
-            stop_token_ids=call.stop_token_ids, num_top_logprobs=call.num_top_logprobs,
-            ignore_eos=call.ignore_eos, grammar=grammar, grammar_prefix=call.grammar_prefix,
-            stop=call.stop, logit_bias=call.logit_bias, min_tokens=call.min_tokens,
-            prompt_logprobs=call.prompt_logprobs, prefill_leader=call.prefill_leader)
+        stream = await self.engine.add_request(call.request_id, call.request)
         self.requests += 1
         async for out in stream:  # a cancel from the ingress leaves here: the stream aborts
             yield ReplicaChunk(self.replica_id, [out])
 
     def report(self) -> ReplicaReport:
         return ReplicaReport(replica_id=self.replica_id, pid=os.getpid(), node_ip=self.node_ip,
-                             model=self.model, config=self.engine.engine.config,
+                             model=self.model, config=self.engine.config,
                              stats=self.engine.stats(), requests=self.requests)
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose engine thread died is replaced."""
-        if not self.engine._thread.is_alive():
+        if not self.engine.is_alive():
             raise RuntimeError("the engine thread has stopped")
 
     def __del__(self):

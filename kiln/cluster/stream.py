@@ -1,4 +1,4 @@
-"""One request's outputs from a replica, as the API reads an AsyncEngine's RequestStream.
+"""One request's outputs from a replica: a RequestStream (runtime/engine/client.py).
 
 A pump task reads the replica's stream (a Serve DeploymentResponseGenerator) into a queue,
 so an abort from the ingress can end the stream at once, as the engine would: a last output
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from kiln.api.errors import InternalServerError
 from kiln.runtime.engine.request import RequestOutput
+from kiln.runtime.errors import RequestFailedError
 
 log = logging.getLogger("kiln")
 
@@ -102,7 +102,7 @@ class ClusterStream:
                 item = await self.queue.get()
                 if isinstance(item, StreamFailed):
                     self.finished = True
-                    raise InternalServerError(self.request_id, item.detail)
+                    raise RequestFailedError(self.request_id, item.detail)
                 self.last = item
                 yield item
                 if item.finished:

@@ -64,3 +64,16 @@ class ModelNotFoundError(KilnError):
 
     def __init__(self) -> None:
         super().__init__(self.MESSAGE, param="model", code="model_not_found")
+
+
+class RequestFailedError(KilnError):
+    """The server failed a request (a bug, an engine that aborted it, a replica lost): the
+    message quotes the request id for the server's log."""
+
+    def __init__(self, request_id: str, detail: str = "") -> None:
+        message = f"The server had an error while processing request {request_id}."
+        if detail:
+            message += f" {detail}"
+        super().__init__(message, param=None, code=None)
+        self.request_id = request_id
+

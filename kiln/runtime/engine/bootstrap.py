@@ -1,6 +1,6 @@
 """The one way a model becomes a running engine, for `kiln serve` and `kiln run` alike:
 resolve and load the model on this machine's backend, size the engine from the model and
-the user's options, build the engine."""
+the user's options, build the engine (and start it, for serving)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.runtime.backends import resolve_dtype
+from kiln.runtime.engine.async_engine import AsyncEngine
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import LLMEngine
-from kiln.runtime.kv.memory import kv_cache_tokens_for_memory
+from kiln.runtime.kv.memory import kv_bytes_per_token, kv_cache_tokens_for_memory
 from kiln.runtime.models.loader import LoadedModel, load_model
 from kiln.runtime.store.gguf_file import ModelLoadError
 
@@ -44,7 +45,8 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
         max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
-        use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager)
+        use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
+        kv_bytes_per_token=kv_bytes_per_token(loaded.config, dtype.itemsize))
     if cuda and options.kv_cache_tokens is None:
         free, total = torch.cuda.mem_get_info()
         try:
@@ -56,3 +58,10 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         config = replace(config, kv_cache_tokens=tokens,
                          max_num_seqs=min(config.max_num_seqs, tokens // config.block_size))
     return loaded, LLMEngine(loaded, config)
+
+
+def start_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, AsyncEngine]:
+    """build_engine, the engine on its own thread: what `kiln serve` and a cluster's replica
+    serve requests from."""
+    loaded, engine = build_engine(model, options)
+    return loaded, AsyncEngine(engine)

@@ -22,6 +22,7 @@ class EngineConfig:
     device: str = "cpu"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
     cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
+    kv_bytes_per_token: int = 0  # the KV cache's memory per token (0: not told)
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

@@ -1,111 +1,28 @@
-"""The engine: requests in, one batched step at a time, outputs out.
-
-`LLMEngine` is the synchronous core (add_request / abort / step). `AsyncEngine` runs it on
-a thread of its own and gives each request an async stream of outputs; requests and aborts
-reach the thread through an inbox that is drained between steps.
-"""
+"""The engine's synchronous core: requests in (`add_request`, `abort`), one batched step at a
+time (`step`), outputs out. `AsyncEngine` (async_engine.py) runs it on a thread of its own."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
-import queue
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.kernels.warmup import KernelShapes, warmup_launches
 from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.engine_request import EngineRequest, check_fits
 from kiln.runtime.engine.model_runner import ModelRunner
+from kiln.runtime.engine.reply_tails import ReplyTails
 from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
-from kiln.runtime.errors import ContextLengthError, InvalidRequestError, KVCacheCapacityError
+from kiln.runtime.engine.stats import EngineStats
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
-from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.sampler import Sampler, fetch_samples, to_token_logprobs
 from kiln.runtime.text.stop_strings import StopStringChecker
 
-if TYPE_CHECKING:
-    import xgrammar as xgr
-
 log = logging.getLogger("kiln")
-
-
-class ReplyTails:
-    """The token sequences (prompt + reply) of recently finished requests, so that a request
-    continuing one of them while its blocks are still cached starts its penalty window with
-    the end of that reply (contract: "Penalty window and conversations held in the cache")."""
-
-    def __init__(self, block_size: int, capacity: int = 256):
-        self.block_size, self.capacity = block_size, capacity
-        self.entries: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
-
-    def record(self, req: Request) -> None:
-        key = tuple(req.all_token_ids)
-        self.entries[key] = list(req.window_token_ids)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-
-    def lookup(self, prompt: list[int], num_cached_tokens: int) -> list[int]:
-        best: list[int] = []
-        best_len = 0
-        for seq, reply in self.entries.items():
-            n = len(seq)
-            # Its last token was sampled, never computed: its full blocks end before it.
-            full = (n - 1) // self.block_size * self.block_size
-            if best_len < n < len(prompt) and num_cached_tokens >= full \
-                    and tuple(prompt[:n]) == seq:
-                best, best_len = reply, n
-        return best
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and counters (for /metrics and /health)."""
-
-    num_running: int
-    num_waiting: int
-    kv_total_blocks: int
-    kv_free_blocks: int  # cached blocks no request holds count as free
-    prefix_queried_tokens: int  # counters since start
-    prefix_hit_tokens: int
-    num_preemptions: int
-
-    @property
-    def kv_used_blocks(self) -> int:
-        return self.kv_total_blocks - self.kv_free_blocks
-
-
-def check_context(config: EngineConfig, num_prompt_tokens: int, max_tokens: int | None) -> None:
-    """The context first (the contract's error), then the KV pool: a request must fit in
-    the whole pool alone, or it could never run. (A function of the config alone, so an
-    ingress without an engine, kiln.cluster's, checks exactly as the engine does.)"""
-    ctx, kv_tokens = config.ctx_len, config.num_blocks * config.block_size
-    if num_prompt_tokens >= ctx or (max_tokens is not None
-                                    and num_prompt_tokens + max_tokens > ctx):
-        raise ContextLengthError(num_prompt_tokens=num_prompt_tokens,
-                                 max_tokens=max_tokens, ctx_len=ctx)
-    if num_prompt_tokens + (max_tokens or 1) > kv_tokens:
-        raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
-                                   kv_cache_tokens=kv_tokens)
-
-
-def check_logit_bias(logit_bias, vocab_size: int) -> None:
-    """A bias on a token the model does not have is a 400 (the API cannot know the size)."""
-    bad = [t for t, _ in logit_bias if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"Invalid 'logit_bias': token id {bad[0]} is outside the "
-                                  f"vocabulary (size {vocab_size}).", param="logit_bias",
-                                  code="invalid_value")
 
 
 class LLMEngine:
@@ -143,42 +60,34 @@ class LLMEngine:
                      ",".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - t1)
 
     @property
-    def kv_cache_tokens(self) -> int:
-        return self.config.num_blocks * self.config.block_size
+    def vocab_size(self) -> int:
+        """The model's logits width (what logit_bias ids are checked against)."""
+        return self.loaded.config.vocab_size
 
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        check_context(self.config, num_prompt_tokens, max_tokens)
-
-    def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams, max_tokens: int | None = None,
-                     stop_token_ids: frozenset[int] | None = None,
-                     num_top_logprobs: int | None = None, ignore_eos: bool = False,
-                     grammar: xgr.CompiledGrammar | None = None,
-                     grammar_prefix: str = "", stop: list[str] | None = None,
-                     logit_bias: tuple[tuple[int, float], ...] = (), min_tokens: int = 0,
-                     prompt_logprobs: int | None = None,
-                     prefill_leader: str | None = None) -> Request:
-        """Validate against the context and the KV pool; the prompt is never truncated. A
-        reply without max_tokens ends ("length") where the context or the pool is full."""
-        if not prompt_token_ids:
-            raise ValueError("empty prompt")
-        self.check_context(len(prompt_token_ids), max_tokens)
-        check_logit_bias(logit_bias, self.loaded.config.vocab_size)
-        room = min(self.config.ctx_len, self.kv_cache_tokens) - len(prompt_token_ids)
-        state = GrammarState(grammar, grammar_prefix, self.grammars.token_bytes) \
-            if grammar is not None else None
+    def make_request(self, request_id: str, request: EngineRequest) -> Request:
+        """Validate against the context and the KV pool (the prompt is never truncated) and
+        compile the grammar: blocking when it is not cached yet. A reply without max_tokens
+        ends ("length") where the context or the pool is full."""
+        options = request.options
+        prompt = list(request.prompt_token_ids)
+        check_fits(self.config, self.vocab_size, len(prompt), options)
+        room = min(self.config.ctx_len, self.config.num_blocks * self.config.block_size) \
+            - len(prompt)
+        grammar = None
+        if request.grammar is not None:
+            grammar = GrammarState(self.grammars.get(request.grammar), request.grammar_prefix,
+                                   self.grammars.token_bytes)
+        tokenizer = self.loaded.tokenizer
         return Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-            max_tokens=min(max_tokens, room) if max_tokens is not None else room,
-            stop_token_ids=stop_token_ids if stop_token_ids is not None
-            else self.loaded.tokenizer.stop_token_ids,
-            num_top_logprobs=num_top_logprobs, ignore_eos=ignore_eos and state is None,
-            logit_bias=tuple(logit_bias), min_tokens=min_tokens,
-            prompt_logprobs=prompt_logprobs,
-            prompt_logprob_entries=[None] if prompt_logprobs is not None else [],
-            prefill_leader_id=prefill_leader,
-            grammar=state, stop_strings=StopStringChecker(self.loaded.tokenizer, stop)
-            if any(stop or ()) else None)
+            request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
+            max_tokens=min(options.max_tokens, room) if options.max_tokens is not None
+            else room, options=options,
+            stop_token_ids=options.stop_token_ids if options.stop_token_ids is not None
+            else tokenizer.stop_token_ids,
+            prompt_logprob_entries=[None] if options.prompt_logprobs is not None else [],
+            prefill_leader_id=request.prefill_leader, grammar=grammar,
+            stop_strings=StopStringChecker(tokenizer, list(options.stop))
+            if options.stop else None)
 
     def add_request(self, req: Request) -> None:
         if req.prefill_leader_id is not None:
@@ -232,7 +141,8 @@ class LLMEngine:
                 log.warning("[kiln]  Request %s sampled token %d outside its grammar",
                             req.request_id, token)
                 status = RequestStatus.FINISHED_STOPPED
-            elif token in req.stop_token_ids and not req.ignore_eos:
+            elif token in req.stop_token_ids \
+                    and not (req.options.ignore_eos and req.grammar is None):
                 status = RequestStatus.FINISHED_STOPPED
             elif req.grammar is not None and req.grammar.is_terminated():
                 status = RequestStatus.FINISHED_STOPPED
@@ -258,7 +168,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
             prompt_logprobs=req.prompt_logprob_entries
-            if first and req.prompt_logprobs is not None else None)
+            if first and req.options.prompt_logprobs is not None else None)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache()
@@ -271,128 +181,3 @@ class LLMEngine:
             kv_free_blocks=self.kv.block_pool.get_num_free_blocks(),
             prefix_queried_tokens=s.prefix_queried_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens, num_preemptions=s.num_preemptions)
-
-
-class RequestStream:
-    """One request's outputs, as an async iterator; leaving it early aborts the request."""
-
-    def __init__(self, engine: AsyncEngine, request: Request):
-        self.engine, self.request = engine, request
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.finished = False
-
-    def put(self, output: RequestOutput) -> None:  # called from the engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
-        except RuntimeError:  # the server's loop is closed: no one is reading any more
-            pass
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                out = await self.queue.get()
-                yield out
-                if out.finished:
-                    self.finished = True
-                    return
-        finally:
-            if not self.finished:
-                self.engine.abort(self.request.request_id)
-
-
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
-        self._thread.start()
-
-    def next_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
-
-    # What the API asks of the engine besides requests: both are read-only and thread-safe.
-
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raises ContextLengthError if the prompt (with max_tokens) cannot fit."""
-        self.engine.check_context(num_prompt_tokens, max_tokens)
-
-    def kv_blocks(self) -> tuple[int, int]:
-        """(free, total) KV blocks; free counts cached blocks no request holds (a read of
-        two ints, fine from any thread)."""
-        pool = self.engine.kv.block_pool
-        return pool.get_num_free_blocks(), self.engine.config.num_blocks
-
-    def stats(self) -> EngineStats:
-        """Gauges and counters; reads of ints the engine thread writes, fine from any
-        thread (a snapshot may be a step old)."""
-        return self.engine.stats()
-
-    def compile_grammar(self, spec):
-        """The compiled grammar of a GrammarSpec (cached); blocking, so call it off the loop."""
-        return self.engine.grammars.get(spec)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams, **kw) -> RequestStream:
-        """Validates now (raising before any stream starts) and returns the output stream."""
-        req = self.engine.make_request(request_id, prompt_token_ids, sampling, **kw)
-        stream = RequestStream(self, req)
-        self.streams[request_id] = stream
-        self.inbox.put(("add", req))
-        return stream
-
-    def abort(self, request_id: str, reason: str = "client gone") -> None:
-        self.inbox.put(("abort", (request_id, reason)))
-
-    def abort_all(self, reason: str) -> None:
-        for request_id in list(self.streams):
-            self.abort(request_id, reason)
-
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                kind, arg = self.inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if kind == "add":
-                self.engine.add_request(arg)
-            elif kind == "abort":
-                request_id, reason = arg
-                out = self.engine.abort(request_id)
-                stream = self.streams.pop(request_id, None)
-                if out is not None:
-                    log.info("[kiln]  Aborted request %s (%s) after %d tokens",
-                             request_id, reason, out.num_output_tokens)
-                    if stream is not None:
-                        stream.put(out)
-            elif kind == "call":
-                arg()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            # Wait for the inbox when there is nothing to step, or nothing the scheduler
-            # can place: stepping again would spin on the same answer.
-            self._drain_inbox(block=not self.engine.has_unfinished() or self.engine.stalled)
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                log.exception("[kiln]  Engine step failed; aborting the running requests")
-                outputs = [o for r in list(self.engine.requests)
-                           if (o := self.engine.abort(r)) is not None]
-            for out in outputs:
-                stream = self.streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                    if out.finished:
-                        self.streams.pop(out.request_id, None)
-
-    def shutdown(self) -> None:
-        self._stop = True
-        self.inbox.put(("noop", None))
-        self._thread.join(timeout=5)

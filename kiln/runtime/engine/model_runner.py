@@ -75,7 +75,7 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_indices.append(end - 1)
                 sampling_requests.append(req)
-            if req.prompt_logprobs is not None:
+            if req.options.prompt_logprobs is not None:
                 # Position p's logits score the token at p + 1; entries already made (before
                 # a preemption) are not made again.
                 lo = max(start, len(req.prompt_logprob_entries) - 1)
@@ -133,7 +133,7 @@ class ModelRunner:
             rows = slice(i, min(i + PROMPT_LOGPROB_ROWS, hi - lo))
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
             chosen = logprobs.gather(1, targets[rows, None])[:, 0].tolist()
-            top_values, top_ids = logprobs.topk(req.prompt_logprobs, dim=-1)
+            top_values, top_ids = logprobs.topk(req.options.prompt_logprobs, dim=-1)
             for tok, lp, ids, values in zip(targets[rows].tolist(), chosen, top_ids.tolist(),
                                             top_values.tolist()):
                 entries.append(TokenLogprob(tok, lp, list(zip(ids, values))))

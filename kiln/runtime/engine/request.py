@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -66,14 +67,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     max_tokens: int  # already capped by the context
-    stop_token_ids: frozenset[int] = frozenset()
-    num_top_logprobs: int | None = None  # None = no logprobs
-    ignore_eos: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
-    min_tokens: int = 0  # stop tokens are banned until the reply has this many tokens
-    # Logprobs of the prompt's tokens (completions' echo): computed while it is prefilled,
-    # so it never takes prefix-cache hits. None = not asked; else the top-N per token.
-    prompt_logprobs: int | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)  # as the client sent them
+    stop_token_ids: frozenset[int] = frozenset()  # the options' or the model's
     # n > 1: a sibling waits for the first choice's prefill, then takes its prompt's full
     # blocks from the prefix cache instead of prefilling them again. The leader is named by
     # its id (the API thread, or another process, cannot hold the engine's Request) and found

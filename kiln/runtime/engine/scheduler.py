@@ -92,7 +92,7 @@ class Scheduler:
             if req.waits_for_leader():
                 continue
             hits, num_cached = self.kv.get_computed_blocks(req) \
-                if req.prompt_logprobs is None else ([], 0)
+                if req.options.prompt_logprobs is None else ([], 0)
             n = self._num_new_tokens(req, num_cached)
             if n > budget:
                 break

@@ -140,6 +140,13 @@ class GrammarCompilerCache:
                 self._entries.popitem(last=False)
         return compiled
 
+    def check(self, spec: GrammarSpec, prefix: str = "") -> None:
+        """Raise the 400 a request with this grammar would meet: a spec that does not compile
+        (naming spec.param), or a prefix it rejects. Blocking, as `get`."""
+        compiled = self.get(spec)
+        if prefix:
+            GrammarState(compiled, prefix)
+
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         c = self.compiler
         try:

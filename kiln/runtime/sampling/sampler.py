@@ -91,7 +91,7 @@ class Sampler:
         return SamplingMetadata(
             *sent[:7], window_token_ids=get("window"), seeds=sent[7], offsets=sent[8],
             grammar_bitmask=get("bitmask"),
-            num_top_logprobs=max((r.num_top_logprobs or 0) for r in requests), flags=flags,
+            num_top_logprobs=max((r.options.logprobs or 0) for r in requests), flags=flags,
             bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -102,8 +102,8 @@ class Sampler:
 def _row_bias(req: Request) -> dict[int, float]:
     """The request's logit_bias, and -inf on its stop tokens while min_tokens is not reached
     (not under a grammar: the grammar alone decides where structured output ends)."""
-    bias = dict(req.logit_bias)
-    if req.num_output_tokens < req.min_tokens and req.grammar is None:
+    bias = dict(req.options.logit_bias)
+    if req.num_output_tokens < req.options.min_tokens and req.grammar is None:
         for token in req.stop_token_ids:
             bias[token] = float("-inf")
     return bias
@@ -134,10 +134,10 @@ def to_token_logprobs(out: HostSamples, requests: list[Request]) -> list[TokenLo
     """Per row, the chosen token's raw logprob and its top-N, for rows that asked."""
     result = []
     for i, r in enumerate(requests):
-        if r.num_top_logprobs is None:
+        n = r.options.logprobs
+        if n is None:
             result.append(None)
             continue
-        n = r.num_top_logprobs
         result.append(TokenLogprob(out.token_ids[i], out.logprobs[i],
                                    list(zip(out.top_token_ids[i][:n], out.top_logprobs[i][:n]))))
     return result

@@ -1,12 +1,12 @@
 """The loaded model's sticky sampling settings: the one global-ish object the contract allows.
 
-A request sends some sampling fields (`SamplingFields`, filled by api/protocol.py).
+A request sends some sampling fields (`SamplingFields`, read by api/protocol).
 `SamplingSettings.admit` merges its valid values over the stored ones, stores them for later
 requests (from any client) and returns a frozen `SamplingParams` snapshot, so a request never
 sees a setting change mid-reply. `reset()` (model reload) restores the model's defaults.
 
 Rules (contract.md, "Sticky settings" and "Validation"):
-- a wrong JSON type is a 400 raised by api/protocol.py; a seed outside signed 64-bit or a
+- a wrong JSON type is a 400 raised by api/protocol; a seed outside signed 64-bit or a
   repeat_last_n below -1 is a 400 raised when `SamplingFields` is built;
 - an out-of-range value is ignored: HTTP 200, one warning on the `kiln` logger naming the
   field and the value, and the stored value is used and kept;
@@ -23,7 +23,7 @@ import math
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling.params import INT64_MAX, INT64_MIN, REASONING_EFFORTS, SamplingParams
@@ -63,19 +63,23 @@ class SamplingFields:
     seed: int | None = None
     think: bool | None = None
     reasoning_effort: str | None = None
+    # Where the client wrote these fields, for a 400's param (Ollama's: "options.").
+    param_prefix: InitVar[str] = ""
 
-    def __post_init__(self) -> None:
-        # Types are api/protocol.py's business (it reads the JSON); these are the contract's
+    def __post_init__(self, param_prefix: str) -> None:
+        # Types are api/protocol's business (it reads the JSON); these are the contract's
         # rules for well-typed values.
         if self.repeat_last_n is not None and self.repeat_last_n < -1:
+            param = param_prefix + "repeat_last_n"
             raise InvalidRequestError(
-                f"Invalid 'repeat_last_n': {self.repeat_last_n}. Expected -1 (the whole "
+                f"Invalid '{param}': {self.repeat_last_n}. Expected -1 (the whole "
                 "reply), 0 (penalties off) or a positive window size.",
-                param="repeat_last_n", code="integer_below_min_value")
+                param=param, code="integer_below_min_value")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            param = param_prefix + "seed"
             raise InvalidRequestError(
-                f"Invalid 'seed': {self.seed} is outside the signed 64-bit range.",
-                param="seed", code="integer_out_of_range")
+                f"Invalid '{param}': {self.seed} is outside the signed 64-bit range.",
+                param=param, code="integer_out_of_range")
 
 
 def params_from_defaults(defaults: SamplingDefaults) -> SamplingParams:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.api.reasoning import ReasoningParser, ReasoningStart
 from kiln.runtime.engine.request import RequestOutput, TokenLogprob
 from kiln.runtime.text.detokenizer import IncrementalDetokenizer
+from kiln.runtime.text.reasoning import ReasoningParser, ReasoningStart
 from kiln.runtime.text.tokenizer import Tokenizer
+from kiln.runtime.text.tool_parser import ToolCallDelta, ToolCallParser
 
 
 @dataclass
@@ -17,7 +18,7 @@ class Delta:
     reasoning: str = ""
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
-    tool_calls: list = field(default_factory=list)  # api.tools.ToolCallDelta
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     # The first delta of a request that asked for its prompt's logprobs: an entry per
     # prompt token (the first None), in the logprobs style's shape.
     prompt_logprobs: list[dict | None] | None = None
@@ -58,7 +59,7 @@ class OutputAssembler:
                  reasoning_tags: tuple[str, str] | None = None,
                  reasoning_start: ReasoningStart = ReasoningStart.OUTSIDE,
                  hold_trailing_space: bool = False, logprobs_style: str | None = None,
-                 tool_parser=None):
+                 tool_parser: ToolCallParser | None = None):
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self.stop = [s for s in stop if s]
@@ -67,7 +68,7 @@ class OutputAssembler:
             if reasoning_tags else None
         self.hold_trailing_space = hold_trailing_space
         self.logprobs_style = logprobs_style  # None, "chat" or "completions"
-        self.tool_parser = tool_parser  # api.tools.ToolCallParser: calls out of the content
+        self.tool_parser = tool_parser  # calls out of the content
         self.called = False
         self.pending = ""  # text held back: it may be the start of a stop string
         self.held_space = ""

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from kiln.api.json_fields import load_json_body
-from kiln.api.ollama.request import model_name
-from kiln.api.ollama.wire import OLLAMA_VERSION, timestamp
+from kiln.api.pipeline.reply import json_response
+from kiln.api.protocol.fields import load_json_body
+from kiln.api.protocol.ollama import model_name
+from kiln.api.routes.ollama_wire import OLLAMA_VERSION, timestamp
 from kiln.api.state import ServerState
-from kiln.api.streaming import json_response
 from kiln.runtime.errors import ModelNotFoundError
-from kiln.runtime.kv.memory import kv_bytes_per_token
 from kiln.runtime.models.loader import GENERIC_DEFAULTS
 from kiln.runtime.store.catalogue import CATALOGUE, CatalogueEntry, SamplingDefaults
 from kiln.runtime.store.gguf_meta import GGUFMetadata, LongArray, read_metadata
@@ -32,7 +31,9 @@ KEPT_LOADED = timedelta(days=365 * 100)
 
 
 @dataclass(frozen=True)
-class LocalModel:
+class ListedModel:
+    """A model as Ollama's routes list it."""
+
     name: str
     path: Path
     entry: CatalogueEntry | None  # None: a GGUF path the server was given
@@ -51,23 +52,23 @@ class LocalModel:
                               .encode()).hexdigest()
 
 
-def local_models(state: ServerState) -> list[LocalModel]:
-    models = [LocalModel(tag, model_path(e), e) for tag, e in CATALOGUE.items() if is_pulled(e)]
-    models += [LocalModel(m.name, m.path, None) for m in state.model_dirs.listing()]
-    loaded = state.loaded
-    if loaded is not None and all(m.name != loaded.name for m in models):
-        models.append(LocalModel(loaded.name, loaded.path, None))
+def local_models(state: ServerState) -> list[ListedModel]:
+    models = [ListedModel(tag, model_path(e), e) for tag, e in CATALOGUE.items() if is_pulled(e)]
+    models += [ListedModel(m.name, m.path, None) for m in state.model_dirs.listing()]
+    serving = state.serving
+    if serving is not None and all(m.name != serving.model.name for m in models):
+        models.append(ListedModel(serving.model.name, serving.model.path, None))
     return models
 
 
-def find_local(state: ServerState, name: str) -> LocalModel:
+def find_local(state: ServerState, name: str) -> ListedModel:
     for m in local_models(state):
         if m.name == name:
             return m
     ref = state.resolve(name)  # a name the server does not serve: ModelNotFoundError
-    loaded = state.loaded
-    if loaded is not None and state.is_loaded(ref):  # the loaded model, by another name
-        return LocalModel(name, loaded.path, loaded.entry)
+    serving = state.serving
+    if serving is not None and state.is_loaded(ref):  # the loaded model, by another name
+        return ListedModel(name, serving.model.path, serving.model.entry)
     raise ModelNotFoundError()
 
 
@@ -86,7 +87,7 @@ def details(meta: GGUFMetadata) -> dict:
             "quantization_level": meta.quantization}
 
 
-def _card(m: LocalModel) -> dict:
+def _card(m: ListedModel) -> dict:
     meta, st = read_metadata(m.path), m.path.stat()
     return {"name": m.name, "model": m.name, "modified_at": timestamp(st.st_mtime),
             "size": st.st_size, "digest": m.digest(), "details": details(meta)}
@@ -106,15 +107,14 @@ async def tags(request):
 
 async def ps(request):
     state: ServerState = request.app.ctx.state
-    loaded = state.loaded
-    if loaded is None:
+    serving = state.serving
+    if serving is None:
         return json_response({"models": []})
-    m = LocalModel(loaded.name, loaded.path, loaded.entry)
-    card = await _off_loop(_card, m)
-    config = state.config
-    kv = config.num_blocks * config.block_size * kv_bytes_per_token(
-        loaded.config, loaded.model.backend.dtype.itemsize)
-    size = card["size"] + kv  # the weights as the file holds them, and the KV cache
+    model, config = serving.model, serving.config
+    card = await _off_loop(_card, ListedModel(model.name, model.path, model.entry))
+    # The weights as the file holds them, and the KV cache (every replica's, on a cluster).
+    kv = serving.engine.stats().kv_total_blocks * config.block_size * config.kv_bytes_per_token
+    size = card["size"] + kv
     card.pop("modified_at")
     card.update(size=size, size_vram=size if config.device.startswith("cuda") else 0,
                 expires_at=timestamp(datetime.now(timezone.utc) + KEPT_LOADED),
@@ -128,12 +128,15 @@ async def show(request):
     name = model_name(body)
     m = find_local(state, name)
     meta = await _off_loop(read_metadata, m.path)
-    loaded = state.loaded
-    is_loaded = loaded is not None and loaded.path == m.path
-    template = loaded.chat_template.template_str if is_loaded else \
-        meta.get("tokenizer.chat_template") or (m.entry.chat_template if m.entry else "") or ""
-    ctx_len = state.config.ctx_len if is_loaded else \
-        m.entry.ctx_len if m.entry else meta.get(f"{meta.arch}.context_length", 0)
+    serving = state.serving
+    loaded = serving.model if serving is not None and serving.model.path == m.path else None
+    if loaded is not None:
+        template = loaded.chat_template.template_str if loaded.chat_template else ""
+        ctx_len = serving.config.ctx_len
+    else:
+        template = meta.get("tokenizer.chat_template") or \
+            (m.entry.chat_template if m.entry else "") or ""
+        ctx_len = m.entry.ctx_len if m.entry else meta.get(f"{meta.arch}.context_length", 0)
     params = parameters(m.defaults, ctx_len)
     capabilities = ["completion", "tools"] + (["thinking"] if "enable_thinking" in template
                                              else [])
@@ -165,7 +168,7 @@ def parameters(d: SamplingDefaults, ctx_len: int) -> list[tuple[str, str]]:
             ("repeat_last_n", str(d.repeat_last_n))]
 
 
-def modelfile(m: LocalModel, template: str, params: list[tuple[str, str]],
+def modelfile(m: ListedModel, template: str, params: list[tuple[str, str]],
               license_: str) -> str:
     lines = ['# Modelfile generated by "ollama show"',
              "# To build a new Modelfile based on this, replace FROM with:",

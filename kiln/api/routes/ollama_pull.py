@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.api.errors import UpstreamError
-from kiln.api.json_fields import invalid_type, load_json_body
-from kiln.api.ollama.request import model_name
-from kiln.api.streaming import json_response, send_ndjson
+from kiln.api.pipeline.reply import json_response, send_events
+from kiln.api.protocol.fields import invalid_type, load_json_body
+from kiln.api.protocol.ollama import model_name
 from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.store.catalogue import CatalogueEntry, lookup
 from kiln.runtime.store.pull import PullError, is_pulled, model_path
@@ -45,7 +45,7 @@ async def pull(request):
         raise ModelNotFoundError()
     events = _events(entry, request.app.ctx.ollama_pulls)
     if stream:
-        return await send_ndjson(request, events)
+        return await send_events(request, events, "ndjson")
     last = None
     async for last in events:
         if "error" in last:

@@ -17,9 +17,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from kiln.api.generation import Delta
-from kiln.api.openai_responses_input import ResponsesRequest
-from kiln.api.tools import ToolCallDelta
+from kiln.api.pipeline.assembler import Delta
+from kiln.api.protocol.responses import ResponsesRequest
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.text.tool_parser import ToolCallDelta
 
 # The chat finish_reason -> (the response's status, incomplete_details.reason).
 _STATUS = {"stop": ("completed", None), "tool_calls": ("completed", None),
@@ -31,7 +32,8 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def new_response(req: ResponsesRequest, response_id: str, model: str, sampling) -> dict:
+def new_response(req: ResponsesRequest, response_id: str, model: str,
+                 sampling: SamplingParams) -> dict:
     """The Response object before any output, echoing the request's settings; `sampling` is
     the request's admitted snapshot (the sticky values it actually runs with)."""
     return {
@@ -44,26 +46,10 @@ def new_response(req: ResponsesRequest, response_id: str, model: str, sampling) 
         "reasoning": {"effort": sampling.reasoning_effort, "summary": None},
         "store": req.store, "temperature": sampling.temperature,
         "text": {"format": req.text_format}, "tool_choice": req.tool_choice,
-        "tools": list(req.tools), "top_logprobs": req.chat.top_logprobs,
+        "tools": list(req.tools), "top_logprobs": req.chat.options.logprobs or 0,
         "top_p": sampling.top_p, "truncation": "disabled", "usage": None,
         "user": req.chat.user, "metadata": req.metadata,
     }
-
-
-def responses_usage(chat_usage: dict) -> dict:
-    """The chat route's usage (api/responses.usage) in the Responses API's names; kiln's
-    own timing fields ride along, as on the chat route."""
-    u = dict(chat_usage)
-    out = {
-        "input_tokens": u.pop("prompt_tokens"),
-        "input_tokens_details": {"cached_tokens": u.pop("prompt_tokens_details")
-                                 ["cached_tokens"], "cache_write_tokens": 0},
-        "output_tokens": u.pop("completion_tokens"),
-        "output_tokens_details": {"reasoning_tokens": u.pop("completion_tokens_details")
-                                  ["reasoning_tokens"]},
-        "total_tokens": u.pop("total_tokens"),
-    }
-    return out | u
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from urllib.parse import unquote
 
+from kiln.api.pipeline.reply import json_response
 from kiln.api.state import ServerState
-from kiln.api.streaming import json_response
 from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.models.loader import GENERIC_DEFAULTS
 from kiln.runtime.store.catalogue import CATALOGUE
@@ -29,10 +29,10 @@ def model_card(name: str, defaults, ctx_len: int | None, loaded: bool) -> dict:
 def model_cards(state: ServerState) -> list[dict]:
     """The loaded model shows the context this server gives it (--ctx-len applied); a file
     not loaded yet shows none (it is known once the file is read)."""
-    loaded = state.loaded
-    current = loaded.name if loaded is not None else None
-    cards = [model_card(tag, entry.defaults,
-                        state.config.ctx_len if tag == current else entry.ctx_len,
+    serving = state.serving
+    current = serving.model.name if serving is not None else None
+    ctx = serving.config.ctx_len if serving is not None else None
+    cards = [model_card(tag, entry.defaults, ctx if tag == current else entry.ctx_len,
                         tag == current)
              for tag, entry in CATALOGUE.items()]
     names = [m.name for m in state.model_dirs.listing()]
@@ -44,7 +44,7 @@ def model_cards(state: ServerState) -> list[dict]:
         if name in CATALOGUE:
             continue
         if name == current:
-            cards.append(model_card(name, loaded.defaults, state.config.ctx_len, True))
+            cards.append(model_card(name, serving.model.defaults, ctx, True))
         else:
             cards.append(model_card(name, GENERIC_DEFAULTS, None, False))
     return cards

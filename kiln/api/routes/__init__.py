@@ -1,0 +1,1 @@
+"""The HTTP routes, one file per endpoint family; api/server.py lists them."""
