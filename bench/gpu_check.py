@@ -48,10 +48,10 @@ from kiln.kernels.sampling import (  # noqa: E402
 from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from kiln.runtime.kv.attention_metadata import AttentionMetadata  # noqa: E402
 from kiln.runtime.models import llama  # noqa: E402
-from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.models.loader import LoadedModel  # noqa: E402
 from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 from kiln.runtime.store.gguf_file import open_gguf  # noqa: E402
