@@ -125,6 +125,9 @@ def cmd_serve(args) -> int:
             "[kiln]  --deterministic: kiln's CPU kernels give the same bits by default")
     dirs = tuple(Path(d.strip()).expanduser() for arg in args.models_dir or ()
                  for d in arg.split(",") if d.strip()) or (default_models_dir(),)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        print("kiln serve: --max-request-bytes must be at least 1024", file=sys.stderr)
+        return 2
     cluster = cluster_options(args)
     if cluster is not None and importlib.util.find_spec("ray") is None:
         print("kiln serve: --replicas runs on Ray Serve, which is not installed: "
@@ -132,6 +135,7 @@ def cmd_serve(args) -> int:
         return 2
     options = ServeOptions(engine_options(args), per_request_sampling=args.per_request_sampling,
                            shutdown_timeout=args.shutdown_timeout, models_dirs=dirs,
+                           max_request_bytes=args.max_request_bytes,
                            access=AccessPolicy.from_flags(args.api_key, args.allowed_origins),
                            cluster=cluster)
     return serve(args.model, options, args.host, args.port)
@@ -188,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests may take to finish before "
                             "they are ended (finish_reason \"abort\"); new requests get 503")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="the largest request body taken, in bytes; a larger one is a 413 "
+                            "before it is read (default: 64 prompts of a whole context at 8 "
+                            "bytes a token, plus 4 MiB)")
     serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
                        help="every route but /health needs 'Authorization: Bearer KEY' "
                             "(default: $KILN_API_KEY; none: no key needed)")

@@ -8,12 +8,13 @@ import signal
 import sys
 
 from sanic import Sanic
-from sanic.exceptions import SanicException
+from sanic.exceptions import PayloadTooLarge, SanicException
 from sanic.response import json
 
 from kiln.api import access
 from kiln.api.errors import error_response, ollama_error_body, ollama_route
 from kiln.api.pipeline.admission import new_id
+from kiln.api.protocol.completions import MAX_PROMPTS
 from kiln.api.routes import (
     chat_completions,
     completions,
@@ -53,10 +54,19 @@ ROUTES = (
 log = logging.getLogger("kiln")
 
 
+def default_max_request_bytes(ctx_len: int) -> int:
+    """Room for the most prompts a request may carry, each a whole context at 8 bytes of JSON
+    a token, and 4 MiB for the rest (a logit_bias over the vocabulary, tools, schemas)."""
+    return MAX_PROMPTS * ctx_len * 8 + (4 << 20)
+
+
 def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     app = Sanic(name, configure_logging=False)
     app.config.MOTD = False
-    app.config.REQUEST_MAX_SIZE = 64 * 1024 * 1024
+    # Checked against Content-Length before the body is read: a body no context could hold
+    # is refused at once (413), not parsed and tokenized first.
+    app.config.REQUEST_MAX_SIZE = state.options.max_request_bytes \
+        or default_max_request_bytes(state.serving.config.ctx_len)
     app.config.RESPONSE_TIMEOUT = 3600
     app.config.KEEP_ALIVE_TIMEOUT = 75
     # By the time Sanic stops, ServerState.drain has ended every reply: its own grace only
@@ -103,7 +113,14 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
     async def on_error(request, exc):
         if isinstance(exc, asyncio.CancelledError):
             raise exc
-        if isinstance(exc, SanicException) and not isinstance(exc, KilnError):
+        if isinstance(exc, PayloadTooLarge):
+            limit = app.config.REQUEST_MAX_SIZE
+            body = {"error": {"message": f"The request body is larger than this server takes "
+                              f"({limit} bytes, --max-request-bytes).",
+                              "type": "invalid_request_error", "param": None,
+                              "code": "request_too_large"}}
+            status = 413
+        elif isinstance(exc, SanicException) and not isinstance(exc, KilnError):
             status = getattr(exc, "status_code", 500)
             body = {"error": {"message": str(exc), "type": "invalid_request_error"
                               if status < 500 else "server_error",

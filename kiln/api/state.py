@@ -41,6 +41,7 @@ class ServeOptions:
     engine: EngineOptions = EngineOptions()
     per_request_sampling: bool = False  # the sticky settings are the API's business
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests may still take
+    max_request_bytes: int | None = None  # None: sized from the context (server.py)
     models_dirs: tuple[Path, ...] = field(default_factory=lambda: (default_models_dir(),))
     access: AccessPolicy = AccessPolicy()  # --api-key, --allowed-origins
     cluster: ClusterOptions | None = None  # --replicas: engines on Ray Serve (kiln.cluster)

@@ -19,7 +19,7 @@ from kiln.api.pipeline.assembler import Delta, OutputAssembler
 from kiln.api.state import ServerState, Serving
 from kiln.runtime.engine.client import RequestStream
 from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions, check_fits
-from kiln.runtime.errors import RequestFailedError
+from kiln.runtime.errors import ContextLengthError, RequestFailedError
 from kiln.runtime.sampling.grammar import GrammarSpec
 from kiln.runtime.sampling.params import SamplingParams
 from kiln.runtime.sampling.settings import SamplingFields
@@ -27,6 +27,14 @@ from kiln.runtime.sampling.settings import SamplingFields
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def check_prompt_text(serving: Serving, text: str) -> None:
+    """The contract's 400 for a prompt text no tokenization could fit in the context (a
+    token covers at most max_token_chars characters), before the work of tokenizing it."""
+    ctx = serving.config.ctx_len
+    if len(text) > ctx * serving.model.tokenizer.max_token_chars:
+        raise ContextLengthError(ctx_len=ctx)
 
 
 @dataclass

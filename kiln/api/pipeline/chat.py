@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.api.pipeline.admission import Admitted, admit
+from kiln.api.pipeline.admission import Admitted, admit, check_prompt_text
 from kiln.api.pipeline.assembler import OutputAssembler
 from kiln.api.protocol.chat import ChatCompletionRequest
 from kiln.api.state import ServerState, Serving
@@ -114,9 +114,11 @@ class ChatJob:
 
 
 def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatJob:
-    """Render the request's messages with the model's template and tokenize them."""
+    """Render the request's messages with the model's template and tokenize them: blocking
+    (a long chat takes seconds), so off the event loop."""
     model = serving.model
     prompt, plan, kw = render_chat(serving, req)
+    check_prompt_text(serving, prompt)
     ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     tags = model.reasoning_tags
     start = ReasoningStart.for_prompt(prompt, tags, continuing=req.continue_final_message,

@@ -8,8 +8,8 @@ from kiln.api.pipeline.assembler import Delta
 from kiln.api.pipeline.chat import prepare_chat
 from kiln.api.pipeline.openai_reply import OpenAIReply
 from kiln.api.pipeline.reply import ChoiceText, send_reply
+from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.chat import ChatCompletionRequest, parse_chat_request
-from kiln.api.protocol.fields import load_json_body
 from kiln.api.state import ServerState
 from kiln.runtime.text.tool_parser import ToolCallDelta
 from kiln.runtime.text.tools import ToolCall
@@ -78,9 +78,10 @@ class ChatCompletionReply(OpenAIReply):
 
 async def chat_completions(request):
     state: ServerState = request.app.ctx.state
-    req = parse_chat_request(load_json_body(request.body))
+    req = await read_body(request, parse_chat_request)
     async with state.use(req.model) as serving:
-        admitted = await prepare_chat(serving, req).admit(state, "chatcmpl")
+        job = await off_loop(prepare_chat, serving, req)
+        admitted = await job.admit(state, "chatcmpl")
         reply = ChatCompletionReply(req, admitted.generations, serving.model.name,
                                     serving.config.ctx_len)
         return await send_reply(request, admitted.generations, reply, req.stream)

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.api.pipeline.admission import Generation, admit
+from kiln.api.pipeline.admission import Generation, admit, check_prompt_text
 from kiln.api.pipeline.assembler import Delta, OutputAssembler
 from kiln.api.pipeline.openai_reply import OpenAIReply
 from kiln.api.pipeline.reply import send_reply
+from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.completions import CompletionRequest, parse_completion_request
-from kiln.api.protocol.fields import check_vocabulary, load_json_body
-from kiln.api.state import ServerState
+from kiln.api.protocol.fields import check_vocabulary
+from kiln.api.state import ServerState, Serving
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.text.tokenizer import Tokenizer
 
 
-def prompt_ids(tok: Tokenizer, prompt: str | tuple[int, ...]) -> tuple[list[int], str]:
-    """(token ids, text) of one prompt: text is tokenized, ids are checked and decoded."""
+def prompt_ids(serving: Serving, prompt: str | tuple[int, ...]) -> tuple[list[int], str]:
+    """(token ids, text) of one prompt: text is tokenized, ids are checked and decoded.
+    Blocking (a long prompt takes seconds), so off the event loop."""
+    tok = serving.model.tokenizer
     if isinstance(prompt, str):
+        check_prompt_text(serving, prompt)
         ids = tok.encode(prompt, add_special_tokens=True)
         if not ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
@@ -132,10 +135,10 @@ class CompletionReply(OpenAIReply):
 
 async def completions(request):
     state: ServerState = request.app.ctx.state
-    req = parse_completion_request(load_json_body(request.body))
+    req = await read_body(request, parse_completion_request)
     async with state.use(req.model) as serving:
         tok = serving.model.tokenizer
-        prompts = [prompt_ids(tok, p) for p in req.prompts]
+        prompts = await off_loop(lambda: [prompt_ids(serving, p) for p in req.prompts])
         style = "completions" if req.options.logprobs is not None else None
         admitted = await admit(state, serving, "cmpl", [ids for ids, _ in prompts],
                                req.sampling, req.options,

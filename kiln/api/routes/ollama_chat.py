@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import time
 
-from kiln.api.pipeline.admission import Admitted, Generation, admit
+from kiln.api.pipeline.admission import Admitted, Generation, admit, check_prompt_text
 from kiln.api.pipeline.assembler import Delta, OutputAssembler
 from kiln.api.pipeline.chat import prepare_chat
 from kiln.api.pipeline.reply import ChoiceText, json_response, send_reply
-from kiln.api.protocol.fields import load_json_body
+from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.ollama import OllamaRequest, chat_request, generate_request
 from kiln.api.routes.ollama_wire import nanoseconds, timestamp
 from kiln.api.state import ServerState, Serving
@@ -34,13 +34,16 @@ async def generate(request):
 async def _answer(request, parse, chat: bool):
     started = time.monotonic()
     state: ServerState = request.app.ctx.state
-    req: OllamaRequest = parse(load_json_body(request.body))  # every check first
+    req: OllamaRequest = await read_body(request, parse)  # every check first
     async with state.use(req.model) as serving:
         load_s = time.monotonic() - started
         if req.load_only:  # Ollama loads the model and says so
             return json_response(OllamaReply(req.model, chat, started, load_s).loaded())
-        admitted = await (_admit_raw(state, serving, req) if req.raw else
-                          prepare_chat(serving, req.chat).admit(state, "ollama", n=1))
+        if req.raw:
+            admitted = await _admit_raw(state, serving, req)
+        else:
+            job = await off_loop(prepare_chat, serving, req.chat)
+            admitted = await job.admit(state, "ollama", n=1)
         reply = OllamaReply(req.model, chat, started, load_s, admitted.generations[0],
                             logprobs=req.top_logprobs is not None)
         return await send_reply(request, admitted.generations, reply, req.stream)
@@ -49,7 +52,8 @@ async def _answer(request, parse, chat: bool):
 async def _admit_raw(state: ServerState, serving: Serving, req: OllamaRequest) -> Admitted:
     """The prompt as it is, no template (as /v1/completions reads a text prompt)."""
     creq, tok = req.completion, serving.model.tokenizer
-    ids = tok.encode(creq.prompt, add_special_tokens=True)
+    check_prompt_text(serving, creq.prompt)
+    ids = await off_loop(lambda: tok.encode(creq.prompt, add_special_tokens=True))
     if not ids:
         raise InvalidRequestError("The prompt is empty once tokenized.", param="prompt")
     style = "chat" if req.top_logprobs is not None else None

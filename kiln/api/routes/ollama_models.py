@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from kiln.api.pipeline.reply import json_response
-from kiln.api.protocol.fields import load_json_body
+from kiln.api.pipeline.workers import read_body
 from kiln.api.protocol.ollama import model_name
 from kiln.api.routes.ollama_wire import OLLAMA_VERSION, timestamp
 from kiln.api.state import ServerState
@@ -124,7 +124,7 @@ async def ps(request):
 
 async def show(request):
     state: ServerState = request.app.ctx.state
-    body = load_json_body(request.body)
+    body = await read_body(request)
     name = model_name(body)
     m = find_local(state, name)
     meta = await _off_loop(read_metadata, m.path)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from kiln.api.errors import UpstreamError
 from kiln.api.pipeline.reply import json_response, send_events
-from kiln.api.protocol.fields import invalid_type, load_json_body
+from kiln.api.pipeline.workers import read_body
+from kiln.api.protocol.fields import invalid_type
 from kiln.api.protocol.ollama import model_name
 from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.store.catalogue import CatalogueEntry, lookup
@@ -35,7 +36,7 @@ log = logging.getLogger("kiln")
 
 
 async def pull(request):
-    body = load_json_body(request.body)
+    body = await read_body(request)
     name = model_name(body)
     stream = body.get("stream", True)
     if not isinstance(stream, bool):

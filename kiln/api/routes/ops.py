@@ -7,7 +7,7 @@ from sanic.response import raw
 
 from kiln.api.metrics import CONTENT_TYPE_LATEST
 from kiln.api.pipeline.reply import json_response
-from kiln.api.protocol.fields import load_json_body
+from kiln.api.pipeline.workers import read_body
 from kiln.api.routes.models import defaults_json
 from kiln.api.state import ServerState
 from kiln.runtime.errors import InvalidRequestError
@@ -34,7 +34,7 @@ async def metrics(request):
 
 async def load(request):
     state: ServerState = request.app.ctx.state
-    body = load_json_body(request.body)
+    body = await read_body(request)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' must be a model name.", param="model")

@@ -12,7 +12,7 @@ from kiln.api.pipeline.chat import prepare_chat
 from kiln.api.pipeline.reply import send_reply
 from kiln.api.pipeline.responses_builder import ResponseBuilder, new_response
 from kiln.api.pipeline.usage import responses_usage, usage
-from kiln.api.protocol.fields import load_json_body
+from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.responses import parse_responses_request
 from kiln.api.state import ServerState
 from kiln.runtime.errors import KilnError
@@ -43,9 +43,10 @@ class ResponsesReply:
 
 async def create_response(request):
     state: ServerState = request.app.ctx.state
-    req = parse_responses_request(load_json_body(request.body))
+    req = await read_body(request, parse_responses_request)
     async with state.use(req.chat.model) as serving:
-        admitted = await prepare_chat(serving, req.chat).admit(state, "resp", n=1)
+        job = await off_loop(prepare_chat, serving, req.chat)
+        admitted = await job.admit(state, "resp", n=1)
         gen = admitted.generations[0]
         # The engine's id ("resp-<hex>") in the Responses API's spelling ("resp_<hex>").
         response_id = "resp_" + gen.request_id.removeprefix("resp-")

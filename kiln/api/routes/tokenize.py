@@ -9,17 +9,21 @@ it, and answers `{count, max_model_len, tokens, token_strs}` (token_strs null un
 
 from __future__ import annotations
 
+import json
+
+from sanic.response import raw
+
 from kiln.api.pipeline.chat import render_chat
 from kiln.api.pipeline.reply import json_response
+from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.chat import parse_chat_request
 from kiln.api.protocol.fields import (
     as_token_ids,
     check_vocabulary,
-    load_json_body,
     missing,
     typed,
 )
-from kiln.api.state import ServerState
+from kiln.api.state import ServerState, Serving
 
 
 def _read(body: dict, key: str, kind: type, expected: str, default=None):
@@ -29,7 +33,7 @@ def _read(body: dict, key: str, kind: type, expected: str, default=None):
 
 async def tokenize(request):
     state: ServerState = request.app.ctx.state
-    body = load_json_body(request.body)
+    body = await read_body(request)
     strs = _read(body, "return_token_strs", bool, "a boolean", False)
     chat = parse_chat_request(body) if "messages" in body else None  # every chat check
     add_special = _read(body, "add_special_tokens", bool, "a boolean", chat is None)
@@ -40,21 +44,34 @@ async def tokenize(request):
             raise missing("prompt")
     else:
         model = chat.model
-    async with state.use(model) as serving:
+
+    def answer(serving: Serving) -> str:  # blocking: a long prompt takes seconds
+        text = prompt
         if chat is not None:
             add_gen = chat.add_generation_prompt if chat.add_generation_prompt is not None \
                 else not chat.continue_final_message
-            prompt, _, _ = render_chat(serving, chat, add_generation_prompt=add_gen)
+            text, _, _ = render_chat(serving, chat, add_generation_prompt=add_gen)
         tok = serving.model.tokenizer
-        ids = tok.encode(prompt, add_special_tokens=add_special)
-        return json_response({"count": len(ids), "max_model_len": serving.config.ctx_len,
-                              "tokens": ids, "token_strs": [tok.id_to_token(i) for i in ids]
-                              if strs else None})
+        ids = tok.encode(text, add_special_tokens=add_special)
+        head = json.dumps({"count": len(ids), "max_model_len": serving.config.ctx_len})
+        strs_json = json_array([tok.id_to_token(i) for i in ids]) if strs else "null"
+        return f'{head[:-1]}, "tokens": {json_array(ids)}, "token_strs": {strs_json}}}'
+
+
+    async with state.use(model) as serving:
+        return raw(await off_loop(answer, serving), content_type="application/json")
+
+
+def json_array(values: list, chunk: int = 1 << 16) -> str:
+    """A JSON array written a slice at a time: a million ids in one call would hold the
+    interpreter (and the event loop with it) for a quarter of a second."""
+    return "[" + ", ".join(json.dumps(values[i:i + chunk])[1:-1]
+                           for i in range(0, len(values), chunk) if values[i:i + chunk]) + "]"
 
 
 async def detokenize(request):
     state: ServerState = request.app.ctx.state
-    body = load_json_body(request.body)
+    body = await read_body(request)
     model = _read(body, "model", str, "a string")
     tokens = _read(body, "tokens", list, "an array of token ids")
     if tokens is None:
@@ -63,4 +80,4 @@ async def detokenize(request):
     async with state.use(model) as serving:
         tok = serving.model.tokenizer
         check_vocabulary(tokens, tok.vocab_size, "tokens")
-        return json_response({"prompt": tok.decode(list(tokens))})
+        return json_response({"prompt": await off_loop(tok.decode, list(tokens))})
