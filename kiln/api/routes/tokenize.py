@@ -43,7 +43,7 @@ async def tokenize(request):
         if prompt is None:
             raise missing("prompt")
     else:
-        model = chat.model
+        model, prompt = chat.model, None
 
     def answer(serving: Serving) -> str:  # blocking: a long prompt takes seconds
         text = prompt
