@@ -493,8 +493,7 @@ def time_engine(path: Path, device: str, label: str, batches, graphs: bool) -> N
             for i in range(B):
                 prompt = rng.integers(0, loaded.config.vocab_size, 128).tolist()
                 engine.add_request(engine.make_request(f"{B}-{i}", EngineRequest(
-                    prompt, params, RequestOptions(max_tokens=800, ignore_eos=True,
-                                                   stop_token_ids=frozenset()))))
+                    prompt, params, RequestOptions(max_tokens=800, ignore_eos=True))))
             t0 = time.perf_counter()
             while any(r.num_output_tokens == 0 for r in engine.requests.values()):
                 engine.step()  # prefill

@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from spec_prompts import NEUTRAL_PENALTIES, SPEC_SETS, spec_prompt
 from tqdm import tqdm
 
-PROMPT_SETS = ("short", "long", "shared-prefix", "prefixes")
+PROMPT_SETS = ("short", "long", "shared-prefix", "prefixes", *SPEC_SETS)
 NUM_PREFIXES = 4  # the `prefixes` set: requests cycle through this many long prefixes
 SHORT_PROMPTS = [
     "What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
@@ -120,6 +121,8 @@ def make_prompt(kind: str, index: int, cfg: BenchConfig) -> list[dict]:
     """The chat messages of request `index` of a prompt set: the same for the same seed."""
     rng = random.Random(f"{cfg.seed}:{kind}:{index}")
     words = lambda r, n: " ".join(r.choice(WORDS) for _ in range(n))
+    if kind in SPEC_SETS:
+        return spec_prompt(kind, index, cfg.seed)
     if kind == "short":
         order = random.Random(cfg.seed).sample(SHORT_PROMPTS, len(SHORT_PROMPTS))
         text = order[index % len(order)]
@@ -133,10 +136,11 @@ def make_prompt(kind: str, index: int, cfg: BenchConfig) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, messages: list[dict]
-                      ) -> RequestResult:
+async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, messages: list[dict],
+                      extra: dict | None = None) -> RequestResult:
     body = {"model": cfg.model, "messages": messages, "max_tokens": cfg.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     res, usage, last = RequestResult(), None, 0.0
     t0 = time.perf_counter()
     try:
@@ -177,13 +181,13 @@ async def run_request(client: httpx.AsyncClient, cfg: BenchConfig, messages: lis
 
 
 async def run_batch(client, cfg: BenchConfig, prompts: list[list[dict]], concurrency: int,
-                    bar: tqdm) -> tuple[list[RequestResult], float]:
+                    bar: tqdm, extra: dict | None = None) -> tuple[list[RequestResult], float]:
     """Send `prompts` with at most `concurrency` in flight; the results and the wall time."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(messages):
         async with sem:
-            r = await run_request(client, cfg, messages)
+            r = await run_request(client, cfg, messages, extra)
         bar.update(1)
         return r
 
@@ -239,16 +243,19 @@ async def run_bench(cfg: BenchConfig, quiet: bool = False) -> list[LevelResult]:
         async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=cfg.timeout,
                                      headers={"Authorization": "Bearer bench"}) as client:
             for kind in cfg.prompt_sets:
+                # Drafting's workloads turn penalties off, so a reply is the same with and
+                # without it (greedy): the two runs do the same work.
+                extra = NEUTRAL_PENALTIES if kind in SPEC_SETS else None
                 # Warm-up requests use negative indices: never a measured prompt.
                 warm = [make_prompt(kind, -1 - i, cfg) for i in range(warmups(kind, cfg))]
                 bar.set_postfix_str(f"{kind} warm-up")
-                await run_batch(client, cfg, warm, 1, bar)
+                await run_batch(client, cfg, warm, 1, bar, extra)
                 index = 0
                 for c in cfg.concurrency:
                     prompts = [make_prompt(kind, index + i, cfg) for i in range(cfg.requests_at(c))]
                     index += len(prompts)
                     bar.set_postfix_str(f"{kind} c={c}")
-                    results, wall = await run_batch(client, cfg, prompts, c, bar)
+                    results, wall = await run_batch(client, cfg, prompts, c, bar, extra)
                     levels.append(level_result(kind, c, results, wall))
     return levels
 

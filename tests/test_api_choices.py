@@ -141,7 +141,8 @@ def test_echo_logprobs_score_every_prompt_token(client):
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
-    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
 ])
 def test_bad_values_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as exc:

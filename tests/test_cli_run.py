@@ -52,11 +52,14 @@ def test_kiln_run_writes_the_greedy_reply_of_transformers():
     assert f"{n} tokens at" in r.stderr
 
 
-def test_kiln_run_default_model_answers_and_reports_speed():
-    r = _kiln_run("What is the capital of France?", "--max-tokens", "8", "--seed", "1")
+@pytest.mark.parametrize("drafting", [[], ["--speculative", "ngram"]], ids=["plain", "ngram"])
+def test_kiln_run_default_model_answers_and_reports_speed(drafting):
+    r = _kiln_run("Say 'one, two, three' three times.", "--max-tokens", "24", "--seed", "1",
+                  *drafting)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "prompt tokens in" in r.stderr and "tok/s" in r.stderr
+    assert ("drafted tokens kept" in r.stderr) == bool(drafting)
 
 
 def test_kiln_run_names_a_missing_model_and_exits_1(tmp_path):

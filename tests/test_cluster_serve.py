@@ -1,6 +1,7 @@
 """`kiln serve --replicas 2` on a local Ray cluster: two engine replicas (own processes, own
 small KV pools) behind one endpoint, driven with the official OpenAI SDK, and every route
-family answering there as it does on one engine (route_calls.py).
+family answering there as it does on one engine (route_calls.py), both drafting tokens
+(--speculative ngram).
 
 One cluster for the module (Ray and two model loads take a while on 2 cores); the fault test
 runs last, as it kills a replica. Which replica served a request is read from /health's
@@ -53,7 +54,9 @@ def alive(pid: int) -> bool:
         Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-FLAGS = ("--kv-cache-tokens", "2048", "--ctx-len", "512", "--shutdown-timeout", "1")
+# With drafting: the replicas draft as one engine does (speculative decoding's cluster test).
+FLAGS = ("--kv-cache-tokens", "2048", "--ctx-len", "512", "--shutdown-timeout", "1",
+         "--speculative", "ngram")
 
 
 @pytest.fixture(scope="module")

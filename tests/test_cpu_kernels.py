@@ -93,11 +93,12 @@ def test_mixed_types_stack_and_bias_is_added(be):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K, Q.F16], ids=lambda q: q.name)
 def test_a_row_gives_the_same_bits_whatever_the_batch_and_threads(qtype):
-    src = _source(qtype, 600, 1536, 6)  # enough groups for the fused decode path
+    src = _source(qtype, 600, 1536, 6)  # enough groups for the fused path (up to 6 rows)
     x = torch.from_numpy(np.random.default_rng(3).standard_normal((300, 1536), np.float32))
     two = CpuBackend(threads=2).linear([src])
     full = two(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 5), slice(0, 7), slice(13, 29), slice(1, 300)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 5), slice(0, 3), slice(2, 6), slice(9, 14),
+                 slice(4, 10), slice(0, 7), slice(13, 29), slice(1, 300)):
         assert torch.equal(two(x[rows].contiguous()), full[rows])
     one = CpuBackend(threads=1).linear([src])
     assert torch.equal(one(x[:9].contiguous()), full[:9])

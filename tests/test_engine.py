@@ -168,3 +168,16 @@ def test_a_stop_string_ends_the_request_in_the_step_that_produced_it(smollm2, ma
     assert " 17" in text and " 17" not in smollm2.tokenizer.decode(out[:-1]), text
     assert req.finish_reason == "stop"
     assert _pool_is_clean(engine)
+
+
+def test_a_stop_token_id_ends_the_reply_where_it_is_produced(smollm2, make_engine):
+    """stop_token_ids (vLLM's): more tokens that end a reply, beside the model's own."""
+    prompt = smollm2.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                      add_special_tokens=False)
+    engine = make_engine(kv_cache_tokens=2048)
+    full = run_to_completion(engine, [make_request(engine, "a", prompt, GREEDY, max_tokens=12)])
+    stop = full["a"][5]
+    req = make_request(engine, "b", prompt, GREEDY, max_tokens=12,
+                       stop_token_ids=frozenset({stop}))
+    assert run_to_completion(engine, [req])["b"] == full["a"][:full["a"].index(stop) + 1]
+    assert req.finish_reason == "stop" and _pool_is_clean(engine)

@@ -62,7 +62,8 @@ def test_the_local_engine_streams_what_the_engine_generates(make_engine):
 @pytest.mark.parametrize("options, error", [
     (RequestOptions(max_tokens=10_000), ContextLengthError),
     (RequestOptions(logit_bias=((10**6, 1.0),)), InvalidRequestError),
-], ids=["context", "logit-bias-id"])
+    (RequestOptions(stop_token_ids=frozenset({10**6}), min_tokens=2), InvalidRequestError),
+], ids=["context", "logit-bias-id", "stop-token-id"])
 def test_a_request_that_cannot_run_is_refused_before_any_output(make_engine, options, error):
     async def add():
         client = AsyncEngine(make_engine())

@@ -296,6 +296,13 @@ def test_logit_bias_min_tokens_and_ignore_eos():
     rejects(parse_chat_request, {"messages": USER, "min_tokens": -1}, "min_tokens")
 
 
+def test_stop_token_ids_are_token_ids():
+    assert chat(stop_token_ids=[7, 3, 7]).options.stop_token_ids == frozenset({3, 7})
+    assert chat().options.stop_token_ids == frozenset()
+    rejects(parse_chat_request, {"messages": USER, "stop_token_ids": [1, -2]}, "stop_token_ids")
+    rejects(parse_chat_request, {"messages": USER, "stop_token_ids": 5}, "stop_token_ids")
+
+
 def test_the_developer_role_is_the_system_role():
     r = chat(messages=[{"role": "developer", "content": "Be brief."}, *USER])
     assert [m.role for m in r.messages] == ["system", "user"]

@@ -158,3 +158,40 @@ def test_bias_min_tokens_prompt_logprobs_and_choices_match_the_cpu_engine(engine
                                torch.tensor([e[1] for e in want_prompt[1:]]), atol=1e-4, rtol=0)
     assert [[t for t, _ in e[2]] for e in got_prompt[1:]] == \
         [[t for t, _ in e[2]] for e in want_prompt[1:]]
+
+
+class ReplayDrafter:
+    """Drafts two tokens of a known reply, then a wrong one: every step keeps two drafts and
+    rejects the third, through the Triton attention's rows of several query tokens."""
+
+    def __init__(self, prompt_len: int, reply: list[int]):
+        self.prompt_len, self.reply = prompt_len, reply
+
+    def propose(self, requests, lengths):
+        drafts = []
+        for req, k in zip(requests, lengths):
+            done = req.num_tokens - self.prompt_len
+            ahead = self.reply[done:done + min(k, 2)]
+            drafts.append((ahead + [(self.reply[done + len(ahead)] + 1) % 4096])[:k]
+                          if done + len(ahead) < len(self.reply) else ahead)
+        return drafts
+
+
+def test_drafted_rows_through_the_triton_path_keep_the_greedy_reply(engines):
+    from kiln.runtime.drafting.config import SpeculativeConfig
+
+    prompt = [(i * 31) % 3000 + 20 for i in range(40)]
+    plain = engines[1]
+    want = run_to_completion(plain, [make_request(plain, "w", prompt, SamplingParams(
+        temperature=0.0), max_tokens=12, ignore_eos=True)])["w"]
+    for engine in engines:
+        config = EngineConfig.build(4096, 512, kv_cache_tokens=4096, max_num_seqs=8,
+                                    use_triton=engine.config.use_triton,
+                                    speculative=SpeculativeConfig(num_speculative_tokens=3))
+        drafting = LLMEngine(engine.loaded, config)
+        drafting.drafter = ReplayDrafter(len(prompt), want)
+        req = make_request(drafting, "d", prompt, SamplingParams(temperature=0.0),
+                           max_tokens=12, ignore_eos=True)
+        assert run_to_completion(drafting, [req])["d"] == want
+        assert req.num_accepted_tokens >= 6 and req.num_drafted_tokens > req.num_accepted_tokens
+        assert drafting.kv.block_pool.get_num_free_blocks() == config.num_blocks

@@ -28,11 +28,35 @@ def _dtype_refusal(args) -> str | None:
     return dtype_refusal(args.dtype, torch.cuda.is_available())
 
 
+def speculative_config(args):
+    """--speculative and its flags (None: no drafting); a bad value is a ValueError."""
+    if args.speculative is None:
+        return None
+    from kiln.runtime.drafting.config import SpeculativeConfig
+
+    return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min,
+                             args.ngram_max)
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="draft tokens and check them in the same forward: ngram drafts what "
+                        "followed the last place the text's end occurred before (prompt "
+                        "lookup). Off by default: it changes sampled replies (drafted tokens "
+                        "the model agrees with skip the sampler)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --speculative: the most tokens drafted for one step")
+    p.add_argument("--ngram-min", type=int, default=3,
+                   help="with --speculative ngram: the shortest text end matched, in tokens")
+    p.add_argument("--ngram-max", type=int, default=4,
+                   help="with --speculative ngram: the longest, tried first")
+
+
 def engine_options(args):
     """The engine options of `kiln run` or `kiln serve` (run has no batching flags)."""
     from kiln.runtime.engine.bootstrap import EngineOptions
 
-    return EngineOptions(ctx_len=args.ctx_len,
+    return EngineOptions(ctx_len=args.ctx_len, speculative=speculative_config(args),
                          prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
                          kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                          max_num_seqs=getattr(args, "max_num_seqs", None), dtype=args.dtype,
@@ -97,9 +121,11 @@ def cmd_run(args) -> int:
     t1 = time.perf_counter()
     n = req.num_output_tokens
     decode = (n - 1) / (t1 - t_first) if n > 1 and t_first else 0.0
+    drafts = f", {req.num_accepted_tokens} of {req.num_drafted_tokens} drafted tokens kept" \
+        if engine.drafter is not None else ""
     print(f"[kiln]  {len(ids)} prompt tokens in {(t_first or t1) - t0:.2f} s "
-          f"({len(ids) / ((t_first or t1) - t0):.1f} tok/s), {n} tokens at {decode:.1f} tok/s",
-          file=sys.stderr)
+          f"({len(ids) / ((t_first or t1) - t0):.1f} tok/s), {n} tokens at {decode:.1f} tok/s"
+          f"{drafts}", file=sys.stderr)
     return 0
 
 
@@ -158,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
     run.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    add_speculative_flags(run)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -215,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="with --replicas: attach to this running Ray cluster (e.g. "
                             "ray://head:10001 or auto) instead of starting one on this machine")
+    add_speculative_flags(serve)
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
@@ -235,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "dtype") and (refusal := _dtype_refusal(args)):
         print(f"kiln {args.command}: {refusal}", file=sys.stderr)
         return 2
+    if hasattr(args, "speculative"):
+        try:
+            speculative_config(args)
+        except ValueError as exc:
+            print(f"kiln {args.command}: {exc}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

@@ -40,6 +40,8 @@ class RetiredCounts:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class EngineCollector:
@@ -68,6 +70,12 @@ class EngineCollector:
                                   "prefix cache.", value=r.prefix_hit_tokens + s.prefix_hit_tokens)
         yield CounterMetricFamily("kiln:num_preemptions", "Requests preempted to free KV "
                                   "blocks.", value=r.num_preemptions + s.num_preemptions)
+        yield CounterMetricFamily("kiln:spec_decode_num_draft_tokens", "Drafted tokens "
+                                  "checked (--speculative).",
+                                  value=r.num_draft_tokens + s.num_draft_tokens)
+        yield CounterMetricFamily("kiln:spec_decode_num_accepted_tokens", "Drafted tokens "
+                                  "the model agreed with.",
+                                  value=r.num_accepted_tokens + s.num_accepted_tokens)
 
 
 class RoutingCollector:
@@ -146,6 +154,8 @@ class Metrics:
         r.prefix_queried_tokens += s.prefix_queried_tokens
         r.prefix_hit_tokens += s.prefix_hit_tokens
         r.num_preemptions += s.num_preemptions
+        r.num_draft_tokens += s.num_draft_tokens
+        r.num_accepted_tokens += s.num_accepted_tokens
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

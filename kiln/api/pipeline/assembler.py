@@ -32,6 +32,8 @@ class Totals:
     cached_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # drafted tokens kept (speculative decoding)
+    rejected_prediction_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -49,6 +51,8 @@ def combined_totals(totals: list[Totals], n: int = 1) -> Totals:
         cached_tokens=sum(t.cached_tokens for t in prompts),
         completion_tokens=sum(t.completion_tokens for t in totals),
         reasoning_tokens=sum(t.reasoning_tokens for t in totals),
+        accepted_prediction_tokens=sum(t.accepted_prediction_tokens for t in totals),
+        rejected_prediction_tokens=sum(t.rejected_prediction_tokens for t in totals),
         arrival_time=min(t.arrival_time for t in totals),
         first_token_time=min(times) if times else None,
         finish_time=max(ends) if len(ends) == len(totals) else None)
@@ -80,6 +84,8 @@ class OutputAssembler:
         t = self.totals
         t.prompt_tokens, t.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         t.completion_tokens = out.num_output_tokens
+        t.accepted_prediction_tokens = out.num_accepted_tokens
+        t.rejected_prediction_tokens = out.num_rejected_tokens
         t.arrival_time, t.first_token_time = out.arrival_time, out.first_token_time
         text = "".join(self.detok.feed(tok) for tok in out.new_token_ids
                        if not (out.finished and out.finish_reason == "stop"

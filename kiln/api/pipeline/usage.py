@@ -20,7 +20,10 @@ def usage(t: Totals, ctx_len: int) -> dict:
         "completion_tokens": t.completion_tokens,
         "total_tokens": total,
         "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": t.reasoning_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": t.reasoning_tokens,
+            "accepted_prediction_tokens": t.accepted_prediction_tokens,
+            "rejected_prediction_tokens": t.rejected_prediction_tokens},
         "kv_token_occupancy_rate_percentage": round(100.0 * total / ctx_len, 2),
         "prefill_duration_ttft": round(ttft, 4),
         "decoding_duration": round(decoding, 4),

@@ -8,7 +8,9 @@ A new per-request option is a field of RequestOptions and its reader here; the e
 from __future__ import annotations
 
 from kiln.api.protocol.fields import (
+    array,
     as_strings,
+    as_token_ids,
     bad,
     boolean,
     integer,
@@ -119,12 +121,18 @@ def top_logprobs(body: dict, param: str = "top_logprobs") -> int | None:
     return top if logprobs else None
 
 
+def stop_token_ids(body: dict) -> frozenset[int]:
+    v = array(body, "stop_token_ids")
+    return frozenset(as_token_ids(v, "stop_token_ids")) if v else frozenset()
+
+
 def request_options(body: dict, logprobs: int | None = None,
                     prompt_logprobs: int | None = None) -> RequestOptions:
     """The options /v1's generation routes read alike; logprobs, whose shape differs between
     chat and completions, are read by each route."""
     return RequestOptions(
         max_tokens=max_tokens(body), stop=stop(body.get("stop")),
+        stop_token_ids=stop_token_ids(body),
         ignore_eos=bool(boolean(body, "ignore_eos")), min_tokens=min_tokens(body),
         logit_bias=logit_bias(body), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.runtime.backends import resolve_dtype
+from kiln.runtime.drafting.config import SpeculativeConfig
 from kiln.runtime.engine.async_engine import AsyncEngine
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import LLMEngine
@@ -30,6 +31,7 @@ class EngineOptions:
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
     threads: int | None = None  # CPU kernels' threads; None: one per core (a cluster
     # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
+    speculative: SpeculativeConfig | None = None  # --speculative: drafting; None: off
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -46,6 +48,7 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
         max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
         use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
+        speculative=options.speculative,
         kv_bytes_per_token=kv_bytes_per_token(loaded.config, dtype.itemsize))
     if cuda and options.kv_cache_tokens is None:
         free, total = torch.cuda.mem_get_info()

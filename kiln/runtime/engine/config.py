@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.runtime.drafting.config import SpeculativeConfig
+
 
 def round_up_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -23,6 +25,7 @@ class EngineConfig:
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
     cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
     kv_bytes_per_token: int = 0  # the KV cache's memory per token (0: not told)
+    speculative: SpeculativeConfig | None = None  # drafting (--speculative); None: off
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

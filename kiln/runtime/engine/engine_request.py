@@ -27,7 +27,7 @@ class RequestOptions:
 
     max_tokens: int | None = None  # None: until the context or the KV pool is full
     stop: tuple[str, ...] = ()  # stop strings
-    stop_token_ids: frozenset[int] | None = None  # None: the model's own
+    stop_token_ids: frozenset[int] = frozenset()  # more tokens that end it, beside the model's
     ignore_eos: bool = False  # (a grammar still ends at its stop token)
     min_tokens: int = 0  # stop tokens are banned until the reply has this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
@@ -76,8 +76,8 @@ class EngineRequest:
 def check_fits(config: EngineConfig, vocab_size: int, num_prompt_tokens: int,
                options: RequestOptions) -> None:
     """The context first (the contract's error), then the KV pool: a request must fit in the
-    whole pool alone, or it could never run; then the logit_bias ids, against the model's
-    logits width (which the API's parsers do not know)."""
+    whole pool alone, or it could never run; then the token ids of logit_bias and
+    stop_token_ids, against the model's logits width (which the API's parsers do not know)."""
     ctx, max_tokens = config.ctx_len, options.max_tokens
     kv_tokens = config.num_blocks * config.block_size
     if num_prompt_tokens >= ctx or (max_tokens is not None
@@ -87,8 +87,10 @@ def check_fits(config: EngineConfig, vocab_size: int, num_prompt_tokens: int,
     if num_prompt_tokens + (max_tokens or 1) > kv_tokens:
         raise KVCacheCapacityError(num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens,
                                    kv_cache_tokens=kv_tokens)
-    bad = [t for t, _ in options.logit_bias if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"Invalid 'logit_bias': token id {bad[0]} is outside the "
-                                  f"vocabulary (size {vocab_size}).", param="logit_bias",
-                                  code="invalid_value")
+    for param, ids in (("logit_bias", [t for t, _ in options.logit_bias]),
+                       ("stop_token_ids", sorted(options.stop_token_ids))):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"Invalid '{param}': token id {bad[0]} is outside the "
+                                      f"vocabulary (size {vocab_size}).", param=param,
+                                      code="invalid_value")

@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kiln.kernels.warmup import KernelShapes, warmup_launches
+from kiln.runtime.drafting.drafter import make_drafter
+from kiln.runtime.drafting.pace import DraftPace
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.engine_request import EngineRequest, check_fits
 from kiln.runtime.engine.model_runner import ModelRunner
@@ -19,7 +22,13 @@ from kiln.runtime.engine.stats import EngineStats
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
-from kiln.runtime.sampling.sampler import Sampler, fetch_samples, to_token_logprobs
+from kiln.runtime.sampling.sampler import (
+    Sampler,
+    draft_logprobs,
+    fetch_samples,
+    raw_choices,
+    to_token_logprobs,
+)
 from kiln.runtime.text.stop_strings import StopStringChecker
 
 log = logging.getLogger("kiln")
@@ -38,6 +47,8 @@ class LLMEngine:
         self.reply_tails = ReplyTails(config.block_size)
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
+        self.drafter = make_drafter(config.speculative) if config.speculative else None
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # counters since start
         if config.use_triton and self.runner.device.type == "cuda":
             self._prepare_gpu()
 
@@ -82,8 +93,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
             max_tokens=min(options.max_tokens, room) if options.max_tokens is not None
             else room, options=options,
-            stop_token_ids=options.stop_token_ids if options.stop_token_ids is not None
-            else tokenizer.stop_token_ids,
+            stop_token_ids=tokenizer.stop_token_ids | options.stop_token_ids,
             prompt_logprob_entries=[None] if options.prompt_logprobs is not None else [],
             prefill_leader_id=request.prefill_leader, grammar=grammar,
             stop_strings=StopStringChecker(tokenizer, list(options.stop))
@@ -106,6 +116,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        if self.drafter is not None:
+            self._draft()
         sched = self.scheduler.schedule()
         # Nothing schedulable although requests wait: only an add or abort can change that.
         self.stalled = not sched.scheduled
@@ -118,45 +130,132 @@ class LLMEngine:
                                                             req.num_cached_tokens)
         inp = self.runner.prepare(sched.scheduled)
         logits = self.runner.execute(inp)
-        self.scheduler.update_after_step(sched.scheduled)
         if logits is None:
+            self.scheduler.update_after_step(sched.scheduled)
             return []
-        reqs = inp.sampling_requests
-        out = fetch_samples(self.sampler(logits, reqs))  # the step's one device sync
-        logprobs = to_token_logprobs(out, reqs)
-        now = time.monotonic()
-        outputs = []
-        for req, token, lp in zip(reqs, out.token_ids, logprobs):
-            accepted, dictated = True, False
-            if req.grammar is not None:
-                dictated = req.grammar.dictates(token)
-                accepted = req.grammar.accept(token)
-            req.append_output_token(token, dictated=dictated)
-            stopped = req.stop_strings is not None and req.stop_strings.feed(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = None
-            if not accepted:
-                # The mask makes this impossible; finish rather than emit invalid output.
-                log.warning("[kiln]  Request %s sampled token %d outside its grammar",
-                            req.request_id, token)
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in req.stop_token_ids \
-                    and not (req.options.ignore_eos and req.grammar is None):
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.grammar is not None and req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-            elif stopped:  # a stop string: ends in this step, not after the API's abort
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.num_output_tokens >= req.max_tokens \
-                    or req.num_tokens >= self.config.ctx_len:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.scheduler.finish(req, status)
-                self.requests.pop(req.request_id, None)
-                self.reply_tails.record(req)
-            outputs.append(self._output(req, [token], [lp] if lp is not None else None))
-        return outputs
+        reqs, now = inp.sampling_requests, time.monotonic()
+        starts = np.cumsum([0, *inp.num_logits_rows[:-1]]).tolist()
+        new = {req.request_id: ([], []) for req in reqs}  # tokens, logprobs of this step
+        finished: dict[Request, RequestStatus] = {}
+        rejected = self._check_drafts(logits, inp, starts, new, finished, now)
+        sample = [(req, start + len(new[req.request_id][0]))
+                  for req, start in zip(reqs, starts) if req not in finished]
+        if sample:
+            sample_reqs = [req for req, _ in sample]
+            rows = logits[[row for _, row in sample]] if len(sample_reqs) < len(logits) \
+                else logits
+            # The step's one device sync (with drafts, its second: raw_choices reads first).
+            out = fetch_samples(self.sampler(rows, sample_reqs))
+            for req, token, lp in zip(sample_reqs, out.token_ids,
+                                      to_token_logprobs(out, sample_reqs)):
+                status = self._take(req, token, now)
+                new[req.request_id][0].append(token)
+                new[req.request_id][1].append(lp)
+                if status is not None:
+                    finished[req] = status
+        self.scheduler.update_after_step(sched.scheduled, rejected)
+        for req, status in finished.items():
+            self.scheduler.finish(req, status)
+            self.requests.pop(req.request_id, None)
+            self.reply_tails.record(req)
+        return [self._output(req, tokens, lps if req.options.logprobs is not None else None)
+                for req in reqs for tokens, lps in [new[req.request_id]]]
+
+    # --- speculative decoding ---
+
+    def _draft(self) -> None:
+        """Drafts for the running requests caught up with their tokens, each as long as its
+        pace, its max_tokens, the context and its chunk allow: all of them functions of the
+        request alone, so a seeded reply does not depend on its batch."""
+        chunk, k_max = self.config.prefill_chunk_len, self.config.speculative.num_speculative_tokens
+        asking, lengths = [], []
+        for req in self.scheduler.running:
+            if req.spec_token_ids or not req.output_token_ids \
+                    or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            if req.draft_pace is None:
+                req.draft_pace = DraftPace(k_max)
+            if req.draft_pace.position == req.num_tokens:
+                continue  # asked at this position already (its step was put off)
+            req.draft_pace.position = req.num_tokens
+            boundary = ((req.num_tokens - 1) // chunk + 1) * chunk
+            k = min(req.draft_pace.next_length(), req.max_tokens - req.num_output_tokens - 1,
+                    self.config.ctx_len - req.num_tokens - 1, boundary - req.num_tokens)
+            if k > 0:
+                asking.append(req)
+                lengths.append(k)
+        for req, draft in zip(asking, self.drafter.propose(asking, lengths)):
+            req.spec_token_ids = draft
+
+    def _check_drafts(self, logits, inp, starts, new, finished, now) -> dict[str, int]:
+        """Keep each draft that equals the model's own choice at its position (and that the
+        grammar allows, and that is no stop token before min_tokens), in order, up to the
+        first that does not; returns the drafts found wrong per request id."""
+        drafted = [(req, start) for req, start, n in
+                   zip(inp.sampling_requests, starts, inp.num_logits_rows) if n > 1]
+        if not drafted:
+            return {}
+        rows = [start + i for req, start in drafted for i in range(len(req.spec_token_ids))]
+        choices = iter(raw_choices(logits, rows, [req for req, _ in drafted
+                                                  for _ in req.spec_token_ids]))
+        rejected, kept_rows = {}, []
+        for req, start in drafted:
+            drafts, kept = req.spec_token_ids, 0
+            mine = [next(choices) for _ in drafts]
+            for draft, choice in zip(drafts, mine):
+                if draft != choice or (draft in req.stop_token_ids and req.grammar is None
+                                       and req.num_output_tokens < req.options.min_tokens):
+                    break
+                if req.grammar is not None and not req.grammar.accept(draft):
+                    break
+                kept += 1
+                status = self._take(req, draft, now, drafted=True)
+                new[req.request_id][0].append(draft)
+                if status is not None:
+                    finished[req] = status
+                    break
+            kept_rows.append([start + i for i in range(kept)])
+            req.draft_pace.record(len(drafts), kept)
+            req.num_drafted_tokens += len(drafts)
+            req.num_accepted_tokens += kept
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += kept
+            rejected[req.request_id] = len(drafts) - kept
+            req.spec_token_ids = []
+        for (req, _), rows in zip(drafted, kept_rows):
+            if rows and req.options.logprobs is not None:
+                new[req.request_id][1].extend(draft_logprobs(
+                    logits, rows, new[req.request_id][0], req.options.logprobs))
+            else:
+                new[req.request_id][1].extend([None] * len(rows))
+        return rejected
+
+    def _take(self, req: Request, token: int, now: float, drafted: bool = False
+              ) -> RequestStatus | None:
+        """Append one new token (sampled, or drafted and kept: its grammar step is taken
+        already); the status it finishes the request with, if it does."""
+        accepted, dictated = True, drafted
+        if req.grammar is not None and not drafted:
+            dictated = req.grammar.dictates(token)
+            accepted = req.grammar.accept(token)
+        req.append_output_token(token, dictated=dictated)
+        stopped = req.stop_strings is not None and req.stop_strings.feed(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if not accepted:
+            # The mask makes this impossible; finish rather than emit invalid output.
+            log.warning("[kiln]  Request %s sampled token %d outside its grammar",
+                        req.request_id, token)
+            return RequestStatus.FINISHED_STOPPED
+        if token in req.stop_token_ids and not (req.options.ignore_eos and req.grammar is None):
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        if stopped:  # a stop string: ends in this step, not after the API's abort
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.ctx_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _output(self, req: Request, tokens: list[int], logprobs) -> RequestOutput:
         first = req.num_output_tokens == len(tokens)  # the request's first output
@@ -168,7 +267,9 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
             prompt_logprobs=req.prompt_logprob_entries
-            if first and req.options.prompt_logprobs is not None else None)
+            if first and req.options.prompt_logprobs is not None else None,
+            num_accepted_tokens=req.num_accepted_tokens,
+            num_rejected_tokens=req.num_drafted_tokens - req.num_accepted_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache()
@@ -180,4 +281,6 @@ class LLMEngine:
             kv_total_blocks=self.config.num_blocks,
             kv_free_blocks=self.kv.block_pool.get_num_free_blocks(),
             prefix_queried_tokens=s.prefix_queried_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens, num_preemptions=s.num_preemptions)
+            prefix_hit_tokens=s.prefix_hit_tokens, num_preemptions=s.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens)

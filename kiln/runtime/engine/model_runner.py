@@ -23,8 +23,11 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S'] rows whose next token is sampled
-    sampling_requests: list[Request]  # the S' requests, in the same order
+    logits_indices: torch.Tensor  # [S'] rows whose next token is sampled (or checked)
+    sampling_requests: list[Request]  # the requests those rows are of, in the same order
+    # Logits rows per sampling request: 1, or 1 + its drafts (the row before each draft,
+    # and the last one, which yields the token after the drafts).
+    num_logits_rows: list[int] = field(default_factory=list)
     graph_bucket: int | None = None  # a decode padded to this CUDA-graph bucket
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
@@ -61,20 +64,25 @@ class ModelRunner:
         seq_lens = np.empty(num_seqs, dtype=np.int32)
         tables = [self.kv.get_block_ids(req) for req, _ in scheduled]
         block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
-        logits_indices, sampling_requests, prompt_rows = [], [], []
+        logits_indices, sampling_requests, prompt_rows, num_logits_rows = [], [], [], []
         end = 0
         for i, ((req, n), block_ids) in enumerate(zip(scheduled, tables, strict=True)):
             start, end = req.num_computed_tokens, end + n
             pos = np.arange(start, start + n)
-            input_ids[end - n:end] = req.all_token_ids[start:start + n]
+            tokens = req.all_token_ids[start:start + n]
+            if len(tokens) < n:  # the drafts the step checks follow the last token
+                tokens = tokens + req.spec_token_ids[:n - len(tokens)]
+            input_ids[end - n:end] = tokens
             positions[end - n:end] = pos
             block_tables[i, :len(block_ids)] = block_ids
             slot_mapping[end - n:end] = block_tables[i, pos // bs].astype(np.int64) * bs + pos % bs
             query_start_loc[i + 1] = end
             seq_lens[i] = start + n
-            if start + n == req.num_tokens:
-                logits_indices.append(end - 1)
+            if start + n == req.num_tokens_with_spec:
+                k = len(req.spec_token_ids)
+                logits_indices.extend(range(end - 1 - k, end))
                 sampling_requests.append(req)
+                num_logits_rows.append(1 + k)
             if req.options.prompt_logprobs is not None:
                 # Position p's logits score the token at p + 1; entries already made (before
                 # a preemption) are not made again.
@@ -103,7 +111,8 @@ class ModelRunner:
             max_seq_len=max(req.num_computed_tokens + n for req, n in scheduled))
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
-                          graph_bucket=bucket, prompt_logprob_rows=prompt_rows)
+                          num_logits_rows=num_logits_rows, graph_bucket=bucket,
+                          prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:

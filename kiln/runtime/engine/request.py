@@ -11,6 +11,7 @@ from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from kiln.runtime.drafting.pace import DraftPace
     from kiln.runtime.sampling.grammar import GrammarState
     from kiln.runtime.text.stop_strings import StopStringChecker
 
@@ -59,6 +60,8 @@ class RequestOutput:
     # With a request's first output only, when it asked: one entry per prompt token, the
     # first None (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_accepted_tokens: int = 0  # drafted tokens the model agreed with, so far
+    num_rejected_tokens: int = 0  # drafted tokens it did not
 
 
 @dataclass(eq=False)
@@ -68,7 +71,7 @@ class Request:
     sampling: SamplingParams
     max_tokens: int  # already capped by the context
     options: RequestOptions = field(default_factory=RequestOptions)  # as the client sent them
-    stop_token_ids: frozenset[int] = frozenset()  # the options' or the model's
+    stop_token_ids: frozenset[int] = frozenset()  # the model's and the options' own
     # n > 1: a sibling waits for the first choice's prefill, then takes its prompt's full
     # blocks from the prefix cache instead of prefilling them again. The leader is named by
     # its id (the API thread, or another process, cannot hold the engine's Request) and found
@@ -92,6 +95,13 @@ class Request:
     prompt_logprob_entries: list[TokenLogprob | None] = field(default_factory=list)
     num_prefill_chunks: int = 0
     prefill_plan: list[int] = field(default_factory=list)  # chunk sizes, for the log
+    # Speculative decoding (runtime/drafting): the drafts its next step checks after its last
+    # token, the drafter's own state for it, how far it drafts, what it drafted and kept.
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_state: object | None = None
+    draft_pace: DraftPace | None = None
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -99,6 +109,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,8 +128,8 @@ class Request:
             and leader.num_computed_tokens < leader.num_prompt_tokens
 
     def append_output_token(self, token_id: int, dictated: bool = False) -> None:
-        """dictated: the grammar left no other text here; the token stays out of the
-        penalty window."""
+        """dictated: the grammar left no other text here, or the token was drafted and
+        accepted: it is not the model's sample and stays out of the penalty window."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if not dictated:

@@ -58,10 +58,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _num_new_tokens(self, request: Request, num_computed: int) -> int:
-        """Up to the next chunk boundary: decode rows get their one token."""
+        """Up to the next chunk boundary: decode rows get their one token, and the drafts
+        it checks (drafted within the boundary)."""
         chunk = self.config.prefill_chunk_len
         boundary = (num_computed // chunk + 1) * chunk
-        return min(request.num_tokens, boundary) - num_computed
+        return min(request.num_tokens_with_spec, boundary) - num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -131,10 +132,17 @@ class Scheduler:
         self.num_preemptions += 1
         log.info("[kiln]  Preempted request %s (out of KV blocks)", req.request_id)
 
-    def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
+    def update_after_step(self, scheduled: list[tuple[Request, int]],
+                          rejected: dict[str, int] | None = None) -> None:
+        """rejected: per request id, drafts the step checked and found wrong. Their positions
+        hold no valid KV: they are not computed, and blocks they alone used go back."""
+        rejected = rejected or {}
         for req, n in scheduled:
-            req.num_computed_tokens += n
+            wrong = rejected.get(req.request_id, 0)
+            req.num_computed_tokens += n - wrong
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            if wrong:
+                self.kv.trim(req, req.num_computed_tokens + 1)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

@@ -17,6 +17,8 @@ class EngineStats:
     prefix_queried_tokens: int  # counters since start
     prefix_hit_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # drafted tokens checked (speculative decoding)
+    num_accepted_tokens: int = 0  # of them, kept
 
     @property
     def kv_used_blocks(self) -> int:

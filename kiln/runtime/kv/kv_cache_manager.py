@@ -72,6 +72,15 @@ class KVCacheManager:
                 self.block_pool.cache_block(
                     blocks[i], h, tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens positions (drafted slots that
+        were rejected; they hold no cached data)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.block_pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def free(self, request: Request) -> None:
         # Reversed: the tail of a chain becomes evictable before its head.
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -130,6 +130,30 @@ def fetch_samples(out: SamplerOutput) -> HostSamples:
                        packed[:, 2:2 + n].astype(np.int64).tolist(), packed[:, 2 + n:].tolist())
 
 
+def raw_choices(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+    """What drafts are checked against: the model's own choice at each given row of `logits`
+    (requests[i] is row i's), the argmax of its raw logits with the request's logit_bias
+    added (a bias is a constraint, not a sampling setting), the first on ties as the
+    sampler's greedy choice."""
+    x = logits[rows].float()
+    for i, req in enumerate(requests):
+        if req.options.logit_bias:
+            ids, values = zip(*req.options.logit_bias)
+            x[i, list(ids)] += torch.tensor(values, dtype=x.dtype, device=x.device)
+    return x.max(-1).indices.tolist()
+
+
+def draft_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int],
+                   num_top: int) -> list[TokenLogprob]:
+    """Raw logprobs of accepted drafts, as the sampler computes a sampled token's: a
+    log_softmax of the row's raw logits in float32, and its top-N."""
+    logprobs_all = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logprobs_all.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
+    top_values, top_ids = torch.topk(logprobs_all, num_top, dim=-1)
+    return [TokenLogprob(t, lp, list(zip(ids, values))) for t, lp, ids, values in
+            zip(token_ids, chosen[:, 0].tolist(), top_ids.tolist(), top_values.tolist())]
+
+
 def to_token_logprobs(out: HostSamples, requests: list[Request]) -> list[TokenLogprob | None]:
     """Per row, the chosen token's raw logprob and its top-N, for rows that asked."""
     result = []

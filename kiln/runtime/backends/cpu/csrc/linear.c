@@ -291,30 +291,40 @@ static void tile_any(const float *x, int64_t ldx, const float *buf, int64_t kc, 
     }
 }
 
-/* Decode steps (M <= 2): the weights go from their blocks straight into the fmas, NGD groups
- * at a time (NGD chains of fmas per row). Each y[i][n] is the same chain of fmas in k as in
- * the tiles above, over the same dequantized values: the same bits. */
-#define NGD 8
+/* Decode steps (M <= FUSED_ROWS: one token a sequence, or a few with the drafts a step checks):
+ * the weights go from their blocks straight into the fmas, ngd groups at a time (ngd chains of
+ * fmas per row; fewer groups for more rows, so the accumulators stay in registers). Each
+ * y[i][n] is the same chain of fmas in k as in the tiles above, over the same dequantized
+ * values: the same bits. */
+#if defined(__AVX512F__)
+#define FUSED_ROWS 6
+#else
+#define FUSED_ROWS 2
+#endif
+#define NGD 8 /* the most groups at a time */
 #define PFD (2 * NGD) /* the fused path prefetches the groups two tiles ahead */
+INLINE int fused_groups(int64_t M) { return M <= 2 ? 8 : M <= 4 ? 4 : 2; }
+
 INLINE void fused_t(const int type, const float *x, int64_t ldx, const uint8_t *w, int64_t gb,
-                    int64_t K, float *y, int64_t ldy, const int mr, int64_t prefetch_groups) {
+                    int64_t K, float *y, int64_t ldy, const int mr, const int ngd,
+                    int64_t prefetch_groups) {
     const int64_t sbl = sb_len(type), sbb = sb_bytes(type);
     const int64_t span_bytes = sbl == 1 ? 32 * sbb : sbb * 32 / sbl;
-    vf acc[2][NGD];
+    vf acc[FUSED_ROWS][NGD];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NGD; j++) acc[i][j] = vf_zero();
+        for (int j = 0; j < ngd; j++) acc[i][j] = vf_zero();
     for (int64_t k = 0; k < K; k += 32) {
         span sp[NGD];
-        for (int j = 0; j < NGD; j++) span_of(type, w + j * gb, k, &sp[j]);
+        for (int j = 0; j < ngd; j++) span_of(type, w + j * gb, k, &sp[j]);
         const int64_t at = sbl == 1 ? k * sbb : k / sbl * sbb + (k % sbl) * sbb / sbl;
         for (int64_t j = 0; j < prefetch_groups; j++)
             for (int64_t off = 0; off < span_bytes; off += 64)
                 __builtin_prefetch(w + (PFD + j) * gb + at + off);
         for (int p = 0; p < 16; p++) {
-            vf x0[2], x1[2];
+            vf x0[FUSED_ROWS], x1[FUSED_ROWS];
             for (int i = 0; i < mr; i++)
                 x0[i] = vf_set1(x[i * ldx + k + 2 * p]), x1[i] = vf_set1(x[i * ldx + k + 2 * p + 1]);
-            for (int j = 0; j < NGD; j++) {
+            for (int j = 0; j < ngd; j++) {
                 vf w0, w1;
                 span_pair(type, &sp[j], p, &w0, &w1);
                 for (int i = 0; i < mr; i++) {
@@ -325,18 +335,23 @@ INLINE void fused_t(const int type, const float *x, int64_t ldx, const uint8_t *
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NGD; j++) vf_store(y + i * ldy + 16 * j, acc[i][j]);
+        for (int j = 0; j < ngd; j++) vf_store(y + i * ldy + 16 * j, acc[i][j]);
 }
 
-/* NGD whole groups from w (16 * NGD columns of y) for M = mr rows */
+/* fused_groups(mr) whole groups from w (16 of y's columns each) for M = mr rows */
 static void fused(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t gb, int64_t K,
                   float *y, int64_t ldy, int mr, int64_t prefetch_groups) {
-    switch (type * 2 + mr - 1) {
-#define X(t)                                                                            \
-    case t * 2: fused_t(t, x, ldx, w, gb, K, y, ldy, 1, prefetch_groups); return;      \
-    case t * 2 + 1: fused_t(t, x, ldx, w, gb, K, y, ldy, 2, prefetch_groups); return;
+    switch (type * 8 + mr - 1) {
+#define F(t, m) \
+    case t * 8 + m - 1: fused_t(t, x, ldx, w, gb, K, y, ldy, m, fused_groups(m), prefetch_groups); return;
+#if FUSED_ROWS == 6
+#define X(t) F(t, 1) F(t, 2) F(t, 3) F(t, 4) F(t, 5) F(t, 6)
+#else
+#define X(t) F(t, 1) F(t, 2)
+#endif
     FOR_TYPES(X)
 #undef X
+#undef F
     }
 }
 
@@ -367,14 +382,15 @@ static void part_range(const linear_args *a, const kiln_part *part, int64_t g0, 
     float *y = a->y + part->col0;
     const float *bias = a->bias ? a->bias + part->col0 : NULL;
     float buf[KC * NG * 16] __attribute__((aligned(64)));
-    if (M <= 2 && K % 32 == 0) {  /* whole tiles of NGD groups fused; the rest below */
-        for (; g0 + NGD <= g1 && (g0 + NGD) * 16 <= N; g0 += NGD) {
+    if (M <= FUSED_ROWS && K % 32 == 0) {  /* whole tiles of ngd groups fused; the rest below */
+        const int ngd = fused_groups(M);
+        for (; g0 + ngd <= g1 && (g0 + ngd) * 16 <= N; g0 += ngd) {
             const int64_t ahead = g1 - (g0 + PFD);
             fused(type, x, ldx, w + g0 * gb, gb, K, y + 16 * g0, ldy, (int)M,
-                  ahead < 0 ? 0 : ahead < NGD ? ahead : NGD);
+                  ahead < 0 ? 0 : ahead < ngd ? ahead : ngd);
             if (bias)
                 for (int64_t m = 0; m < M; m++)
-                    for (int64_t n = 16 * g0; n < 16 * (g0 + NGD); n++) y[m * ldy + n] += bias[n];
+                    for (int64_t n = 16 * g0; n < 16 * (g0 + ngd); n++) y[m * ldy + n] += bias[n];
         }
     }
     const int64_t sbl = sb_len(type), sbb = sb_bytes(type);

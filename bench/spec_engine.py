@@ -1,0 +1,82 @@
+"""Speculative decoding in the engine alone (no server): decode tok/s and time a step, without
+and with n-gram drafting, on bench/spec_prompts.py's workloads.
+
+    .venv/bin/python bench/spec_engine.py --workloads editing,free --k 4
+    .venv/bin/python bench/spec_engine.py --model qwen2.5-coder:0.5b --k 2,4
+
+Each setting reads the same prompts greedily (the same replies with and without drafting),
+one request at a time, to the end of the reply or `max_tokens`; the
+first token (the prefill's) is left out of the timing. The settings run in turn in one
+process, so their ratio is the figure to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from spec_prompts import spec_prompt  # noqa: E402
+
+from kiln.runtime.drafting.config import SpeculativeConfig  # noqa: E402
+from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
+from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from kiln.runtime.models.loader import load_model  # noqa: E402
+from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, int, float]:
+    """(tokens after the first, steps, seconds) over the prompts, one at a time."""
+    tokens = steps = 0
+    seconds = 0.0
+    for i, ids in enumerate(prompts):
+        req = engine.make_request(f"r{i}", EngineRequest(
+            ids, GREEDY, RequestOptions(max_tokens=max_tokens)))
+        engine.add_request(req)
+        engine.step()  # the prefill and the first token
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        seconds += time.perf_counter() - t
+        tokens += req.num_output_tokens - 1
+    return tokens, steps, seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2:135m")
+    ap.add_argument("--workloads", default="editing,quoting,free")
+    ap.add_argument("--k", default="4", help="--num-speculative-tokens values to try")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    args = ap.parse_args()
+    model = load_model(args.model)
+    settings = [None] + [SpeculativeConfig(num_speculative_tokens=int(k))
+                         for k in args.k.split(",")]
+    print(f"{args.model}: {args.prompts} prompts a workload, {args.max_tokens} tokens each")
+    for kind in args.workloads.split(","):
+        prompts = [model.chat_prompt_ids(spec_prompt(kind, i, 0)) for i in range(args.prompts)]
+        base = None
+        for spec in settings:
+            config = EngineConfig.build(model.ctx_len, model.max_prefill_len,
+                                        kv_cache_tokens=16384, speculative=spec)
+            engine = LLMEngine(model, config)
+            run(engine, prompts[:1], 8)  # warm-up
+            tokens, steps, seconds = run(engine, prompts, args.max_tokens)
+            rate = tokens / seconds
+            base = base or rate
+            k = spec.num_speculative_tokens if spec else 0
+            print(f"{kind:8} k={k}  {rate:6.1f} tok/s ({rate / base:.2f}x)  "
+                  f"{1000 * seconds / steps:5.1f} ms a step  {tokens / steps:.2f} tokens a step",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
