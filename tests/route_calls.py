@@ -78,6 +78,7 @@ CALLS = [
     RouteCall("tokenize", "POST", "/tokenize", {"model": MODEL, "messages": ASK,
                                                "return_token_strs": True}),
     RouteCall("detokenize", "POST", "/detokenize", {"model": MODEL, "tokens": [504, 3575, 282]}),
+    RouteCall("tokenizer-info", "GET", "/tokenizer_info"),
     RouteCall("models", "GET", "/v1/models"),
     RouteCall("model", "GET", f"/v1/models/{MODEL}"),
     RouteCall("metrics", "GET", "/metrics"),
@@ -168,6 +169,7 @@ AGREE = {
     "ollama-show": lambda b: {k: v for k, v in b.items() if k != "modified_at"},
     "ollama-tags": lambda b: sorted(m["name"] for m in b["models"]),
     "ollama-version": lambda b: b, "tokenize": lambda b: b, "detokenize": lambda b: b,
+    "tokenizer-info": lambda b: b,
     "models": _models, "model": lambda b: _models({"data": [b]}),
     "metrics": _metrics, "health": _health,
 }

@@ -2,6 +2,8 @@
 
 - /tokenize and /detokenize (vLLM's shapes) against transformers' tokenizer on the same GGUF;
   the chat form gives the very prompt the chat route reads (its usage.prompt_tokens);
+- GET /tokenizer_info (vLLM's shape, what lm-eval's remote tokenizer reads): the special
+  tokens and chat template transformers reads from the same GGUF;
 - GET /v1/models/{id} through the OpenAI SDK, 404 -> openai.NotFoundError;
 - /metrics read with prometheus_client's own parser: counters move by what the requests'
   usage blocks say, and the KV gauges return to idle;
@@ -146,6 +148,31 @@ def test_tokenize_for_an_unknown_model_is_a_404(server):
                        ("/detokenize", {"model": "nope.gguf", "tokens": [1]})):
         r = server.post(path, body)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# --- /tokenizer_info ------------------------------------------------------------------------
+
+def test_tokenizer_info_names_the_tokens_transformers_reads_from_the_gguf(server, hf_tok):
+    r = httpx.get(f"{server.url}/tokenizer_info", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "tokenizer_class": "Tokenizer", "bos_token": hf_tok.bos_token,
+        "eos_token": hf_tok.eos_token, "pad_token": hf_tok.pad_token,
+        "unk_token": hf_tok.unk_token, "add_bos_token": hf_tok.add_bos_token,
+        "add_eos_token": False, "model_max_length": CTX, "chat_template": hf_tok.chat_template}
+    # lm-eval's remote tokenizer takes a token's id as the first of its /tokenize ids.
+    for token in ("bos_token", "eos_token"):
+        ids = post_ok(server, "/tokenize", {"prompt": r.json()[token],
+                                            "add_special_tokens": False})["tokens"]
+        assert ids == [getattr(hf_tok, f"{token}_id")]
+
+
+def test_tokenizer_info_refuses_parameters_and_other_methods_in_openais_shape(server):
+    r = httpx.get(f"{server.url}/tokenizer_info", params={"model": MODEL}, timeout=30)
+    err = assert_400(r, "model")
+    assert err["code"] == "unknown_parameter" and "takes no parameters" in err["message"]
+    r = server.post("/tokenizer_info", {})
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 # --- /v1/models/{id} ------------------------------------------------------------------------

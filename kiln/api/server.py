@@ -39,6 +39,7 @@ ROUTES = (
     (models.retrieve_model, "/v1/models/<model_id:path>", "GET"),
     (tokenize.tokenize, "/tokenize", "POST"),
     (tokenize.detokenize, "/detokenize", "POST"),
+    (tokenize.tokenizer_info, "/tokenizer_info", "GET"),
     (ops.metrics, "/metrics", "GET"),
     (ops.health, "/health", "GET"),
     (ops.load, "/api/load", "POST"),

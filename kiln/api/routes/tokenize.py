@@ -5,6 +5,9 @@ or a chat (`{model?, messages, add_generation_prompt = true, continue_final_mess
 add_special_tokens = false, return_token_strs?}`), rendered exactly as the chat route renders
 it, and answers `{count, max_model_len, tokens, token_strs}` (token_strs null unless asked).
 /detokenize: `{model?, tokens}` -> `{prompt}`.
+GET /tokenizer_info: the loaded model's tokenizer under tokenizer_config.json's names, as vLLM
+answers it. lm-eval's `local-completions` asks for it first: with an answer it tokenizes through
+/tokenize and /detokenize; without one it downloads a Hugging Face tokenizer named as the model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.chat import parse_chat_request
 from kiln.api.protocol.fields import (
     as_token_ids,
+    bad,
     check_vocabulary,
     missing,
     typed,
@@ -81,3 +85,19 @@ async def detokenize(request):
         tok = serving.model.tokenizer
         check_vocabulary(tokens, tok.vocab_size, "tokens")
         return json_response({"prompt": await off_loop(tok.decode, list(tokens))})
+
+
+async def tokenizer_info(request):
+    state: ServerState = request.app.ctx.state
+    for name in request.args:  # vLLM's route takes none: a model chosen here would be ignored
+        raise bad(f"Unknown parameter: '{name}'. GET /tokenizer_info takes no parameters; it "
+                  "describes the loaded model's tokenizer.", name, "unknown_parameter")
+    async with state.use(None) as serving:
+        tok, template = serving.model.tokenizer, serving.model.chat_template
+        info = {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                "unk_token": tok.unk_token, "add_bos_token": tok.add_bos,
+                "add_eos_token": tok.add_eos, "model_max_length": serving.config.ctx_len}
+        if template is not None:  # vLLM leaves the key out when there is no template
+            info["chat_template"] = template.template_str
+        return json_response(info)

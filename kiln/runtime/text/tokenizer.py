@@ -206,6 +206,10 @@ class Tokenizer:
         return self._vocab.add_bos
 
     @property
+    def add_eos(self) -> bool:
+        return self._vocab.add_eos
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._vocab.bos_token_id
 
@@ -215,11 +219,22 @@ class Tokenizer:
 
     @property
     def bos_token(self) -> str | None:
-        return None if self.bos_token_id is None else self._vocab.tokens[self.bos_token_id]
+        return self._spelling(self.bos_token_id)
 
     @property
     def eos_token(self) -> str | None:
-        return None if self.eos_token_id is None else self._vocab.tokens[self.eos_token_id]
+        return self._spelling(self.eos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._spelling(self._vocab.pad_token_id)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._spelling(self._vocab.unk_token_id)
+
+    def _spelling(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._vocab.tokens[token_id]
 
 
 # --- builders, one per tokenizer.ggml.model -------------------------------------------------
