@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kiln on Ray Serve: the same prompts against one engine (plain `kiln serve`), one replica
 # (`--replicas 1`: the cluster's own overhead) and N replicas (`--replicas N`), each server in
-# turn on a free loopback port; bench/serve.py against it, its routing counters (/health's
+# turn on a free loopback port; `kiln bench` against it, its routing counters (/health's
 # cluster block) saved beside the results, the server stopped; then one table.
 #
 #   bench/cluster.sh                                        # the run of bench/README.md
@@ -9,11 +9,11 @@
 #
 # Environment: MODEL (smollm2:135m)  CTX (2048)  REPLICAS (2)  KV_TOKENS (each engine's
 #              --kv-cache-tokens; default the server's own)  LEVELS (1,4,16)
-#              PROMPTS (short,prefixes: serve.py's sets; `prefixes` cycles 4 long prefixes)
-#              REQUESTS (per level; 0 = serve.py's default)  MAX_TOKENS (32)
+#              PROMPTS (short,prefixes: kiln bench's sets; `prefixes` cycles 4 long prefixes)
+#              REQUESTS (per level; 0 = kiln bench's default)  MAX_TOKENS (32)
 #              LONG_TOKENS (words of each prefix, 500)  WARMUP (2)  OUT (bench/results)
 #              START_TIMEOUT (600 s)
-# Writes OUT/STAMP-cluster-{engine,replicas1,replicasN}.json (serve.py's results, with the
+# Writes OUT/STAMP-cluster-{engine,replicas1,replicasN}.json (kiln bench's results, with the
 # routing counters under "routing") and OUT/STAMP-cluster.txt (the table).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +56,7 @@ run() {
         sleep 0.5
     done
     echo "[cluster]  $label ready on port $PORT" >&2
-    "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT/v1" --label "$label" \
+    .venv/bin/kiln bench --base-url "http://127.0.0.1:$PORT/v1" --label "$label" \
         --model "$MODEL" --prompts "$PROMPTS" --concurrency "$LEVELS" --requests "$REQUESTS" \
         --max-tokens "$MAX_TOKENS" --long-tokens "$LONG_TOKENS" --warmup "$WARMUP" \
         --out "$out" --chart "$WORK/$label.png" --quiet

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kiln against llama.cpp's own C++ server (llama-server, continuous batching) on the same GGUF,
 # context length, thread count, prompts and levels: each server in turn on a free loopback
-# port, bench/serve.py against it, the server stopped; then llama-bench (llama.cpp in process,
+# port, `kiln bench` against it, the server stopped; then llama-bench (llama.cpp in process,
 # no HTTP), the kiln / llama-server ratio table and the merged chart.
 #
 #   bench/compare.sh                                         # the full comparison (long)
@@ -24,7 +24,7 @@
 #                            the same llama-server as the short ones. LONG_SLOTS=1 restarts it
 #                            with -np 1 -c CTX for them (the slot count does not change the work
 #                            of one request at concurrency 1; this is there to check it)
-#              LEVELS (short-prompt concurrency, 1,16,64)  REQUESTS (per level; 0 = serve.py's
+#              LEVELS (short-prompt concurrency, 1,16,64)  REQUESTS (per level; 0 = kiln bench's
 #              default)  MAX_TOKENS (128)  LONG_TOKENS (2000)  LONG_REQUESTS (REQUESTS)
 #              WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
 #              BENCH_REPS (5)  llama-bench's -r (repetitions of pp512 and of tg64)
@@ -44,6 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=.venv/bin/python
+KILN=.venv/bin/kiln
 LLAMA_BIN_DIR=""
 [ -r /root/llama.cpp/BIN_DIR ] && LLAMA_BIN_DIR=$(head -n 1 /root/llama.cpp/BIN_DIR)
 LLAMA_SERVER=${LLAMA_SERVER:-${LLAMA_BIN_DIR:+$LLAMA_BIN_DIR/}llama-server}
@@ -140,13 +141,13 @@ check_alive() {
 ARGS=(--model "$MODEL" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --warmup "$WARMUP")
 # bench_short LABEL: the short prompts at LEVELS. bench_long LABEL: long and shared-prefix at 1.
 bench_short() {
-    "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT/v1" --label "$1" "${ARGS[@]}" \
+    "$KILN" bench --base-url "http://127.0.0.1:$PORT/v1" --label "$1" "${ARGS[@]}" \
         --prompts short --concurrency "$LEVELS" \
         --out "$OUT/$STAMP-$1-short.json" --chart "$WORK/$1-short.png" || STATUS=1
     check_alive "$1"
 }
 bench_long() {
-    "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT/v1" --label "$1" "${ARGS[@]}" \
+    "$KILN" bench --base-url "http://127.0.0.1:$PORT/v1" --label "$1" "${ARGS[@]}" \
         --prompts long,shared-prefix --concurrency 1 --requests "$LONG_REQUESTS" \
         --long-tokens "$LONG_TOKENS" --out "$OUT/$STAMP-$1-long.json" \
         --chart "$WORK/$1-long.png" || STATUS=1
@@ -192,7 +193,7 @@ echo "kiln vs llama-server ($VERSION): $MODEL, ctx $CTX per sequence, $THREADS t
 FILES=()
 for label in "${KILN_LABELS[@]}"; do
     PAIR=("$OUT/$STAMP-$label"-{short,long}.json "$OUT/$STAMP"-llama-server-{short,long}.json)
-    "$PY" bench/serve.py --compare "${PAIR[@]}" | tee -a "$OUT/$STAMP-compare.txt"
+    "$KILN" bench --compare "${PAIR[@]}" | tee -a "$OUT/$STAMP-compare.txt"
     FILES+=("$OUT/$STAMP-$label"-{short,long}.json)
 done
 "$PY" - "$OUT/$STAMP-llama-bench.json" "$THREADS" <<'EOF' | tee -a "$OUT/$STAMP-compare.txt" || STATUS=1
@@ -205,6 +206,6 @@ print(f"llama-bench (in process, {sys.argv[2]} threads, {len(rows[0]['samples_ts
       f" pp512 {test(512, 0)}, tg64 {test(0, 64)}")
 EOF
 FILES+=("$OUT/$STAMP"-llama-server-{short,long}.json)
-"$PY" bench/serve.py --plot "${FILES[@]}" --chart "$OUT/$STAMP-compare.png"
+"$KILN" bench --plot "${FILES[@]}" --chart "$OUT/$STAMP-compare.png"
 echo "$OUT/$STAMP-compare.png"
 exit $STATUS

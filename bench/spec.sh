@@ -2,7 +2,7 @@
 # Speculative decoding's benchmark: kiln without and with --speculative ngram, and llama.cpp's
 # llama-server without and with its own n-gram drafting (--spec-type ngram-simple, with that
 # build's own lookup and draft lengths: 12 and 48 tokens in build 11434) where its binary is
-# found, on the same GGUF, bench/serve.py's drafting workloads (bench/spec_prompts.py):
+# found, on the same GGUF, `kiln bench`'s drafting workloads (kiln/bench/spec_prompts.py):
 #   editing  the reply copies a given function with one variable renamed
 #   quoting  the reply copies a short document, then says what it is about
 #   free     a short story: the prompt foretells nothing
@@ -15,7 +15,7 @@
 #   MODEL=qwen2.5-coder:0.5b REPS=1 bench/spec.sh
 #   LEVELS=1 REQUESTS=2 MAX_TOKENS=32 REPS=1 bench/spec.sh   # a quick check
 #
-# Environment: MODEL (smollm2:135m)  LEVELS (1,16)  REQUESTS (per level; 0 = serve.py's
+# Environment: MODEL (smollm2:135m)  LEVELS (1,16)  REQUESTS (per level; 0 = kiln bench's
 #              default)  REPS (3)  MAX_TOKENS (192)  K (4: kiln's --num-speculative-tokens)
 #              CTX (4096)  THREADS (the CPU count)  OUT (bench/results)
 #              LLAMA_SERVER (as bench/compare.sh finds it; none found: kiln only)
@@ -78,7 +78,10 @@ start() {
 bench() {
     local url="http://127.0.0.1:${PORTS[$1]}" name="$1-$2-$3"
     curl -sf "$url/metrics" >"$WORK/$name.before" || true
-    "$PY" bench/serve.py --base-url "$url/v1" --label "$1" --model "$MODEL" --prompts "$2" \
+    # --no-ignore-eos: a workload is its reply (the copied function, the quoted text), not
+    # what the model would write past its end, where drafting finds something else to copy.
+    .venv/bin/kiln bench --base-url "$url/v1" --label "$1" --model "$MODEL" --prompts "$2" \
+        --no-ignore-eos \
         --concurrency "$LEVELS" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --warmup 1 \
         --seed "$3" --quiet --out "$WORK/$name.json" --chart "$WORK/$name.png"
     curl -sf "$url/metrics" >"$WORK/$name.after" || true

@@ -1,5 +1,5 @@
 """Speculative decoding in the engine alone (no server): decode tok/s and time a step, without
-and with n-gram drafting, on bench/spec_prompts.py's workloads.
+and with n-gram drafting, on kiln/bench/spec_prompts.py's workloads.
 
     .venv/bin/python bench/spec_engine.py --workloads editing,free --k 4
     .venv/bin/python bench/spec_engine.py --model qwen2.5-coder:0.5b --k 2,4
@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spec_prompts import spec_prompt  # noqa: E402
-
+from kiln.bench.spec_prompts import spec_prompt  # noqa: E402
 from kiln.runtime.drafting.config import SpeculativeConfig  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
 from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402

@@ -1,4 +1,4 @@
-"""The `kiln` command line: pull, run, serve."""
+"""The `kiln` command line: pull, run, serve, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from kiln.bench.cli import add_bench_parser
 from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # runtime.backends.DTYPES, without torch
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+
+    add_bench_parser(sub)
     return p
 
 

@@ -1,6 +1,7 @@
-"""The workloads of speculative decoding's benchmark (bench/serve.py's `editing`, `quoting` and
-`free` prompt sets): an editing request whose reply copies a given function with one change, a
-document question answered by quoting the document, and free writing that copies nothing."""
+"""The workloads of speculative decoding's benchmark (`kiln bench`'s `editing`, `quoting` and
+`free` prompt sets; bench/spec.sh, bench/spec_engine.py): an editing request whose reply copies
+a given function with one change, a document question answered by quoting the document, and
+free writing that copies nothing."""
 
 from __future__ import annotations
 
