@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/kiln pull $(MODEL)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 serve: $(STAMP)
 	$(VENV)/bin/kiln pull $(MODEL)

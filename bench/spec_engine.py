@@ -4,8 +4,9 @@ and with n-gram drafting, on kiln/bench/spec_prompts.py's workloads.
     .venv/bin/python bench/spec_engine.py --workloads editing,free --k 4
     .venv/bin/python bench/spec_engine.py --model qwen2.5-coder:0.5b --k 2,4
 
-Each setting reads the same prompts greedily (the same replies with and without drafting),
-one request at a time, to the end of the reply or `max_tokens`; the
+Each setting reads the same prompts greedily with the penalties off, one request at a time,
+to the end of the reply or `max_tokens`, and counts the replies equal (token ids) to those
+without drafting, as they must be; the
 first token (the prefill's) is left out of the timing. The settings run in turn in one
 process, so their ratio is the figure to quote.
 """
@@ -30,10 +31,13 @@ from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(temperature=0)
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, int, float]:
-    """(tokens after the first, steps, seconds) over the prompts, one at a time."""
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+        ) -> tuple[int, int, float, list[list[int]]]:
+    """(tokens after the first, steps, seconds, the replies) over the prompts, one at a
+    time."""
     tokens = steps = 0
     seconds = 0.0
+    replies = []
     for i, ids in enumerate(prompts):
         req = engine.make_request(f"r{i}", EngineRequest(
             ids, GREEDY, RequestOptions(max_tokens=max_tokens)))
@@ -45,7 +49,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[i
             steps += 1
         seconds += time.perf_counter() - t
         tokens += req.num_output_tokens - 1
-    return tokens, steps, seconds
+        replies.append(req.output_token_ids)
+    return tokens, steps, seconds, replies
 
 
 def main() -> None:
@@ -62,18 +67,20 @@ def main() -> None:
     print(f"{args.model}: {args.prompts} prompts a workload, {args.max_tokens} tokens each")
     for kind in args.workloads.split(","):
         prompts = [model.chat_prompt_ids(spec_prompt(kind, i, 0)) for i in range(args.prompts)]
-        base = None
+        base = plain = None
         for spec in settings:
             config = EngineConfig.build(model.ctx_len, model.max_prefill_len,
                                         kv_cache_tokens=16384, speculative=spec)
             engine = LLMEngine(model, config)
             run(engine, prompts[:1], 8)  # warm-up
-            tokens, steps, seconds = run(engine, prompts, args.max_tokens)
+            tokens, steps, seconds, replies = run(engine, prompts, args.max_tokens)
             rate = tokens / seconds
-            base = base or rate
+            base, plain = base or rate, plain or replies
+            same = sum(a == b for a, b in zip(replies, plain))
             k = spec.num_speculative_tokens if spec else 0
             print(f"{kind:8} k={k}  {rate:6.1f} tok/s ({rate / base:.2f}x)  "
-                  f"{1000 * seconds / steps:5.1f} ms a step  {tokens / steps:.2f} tokens a step",
+                  f"{1000 * seconds / steps:5.1f} ms a step  {tokens / steps:.2f} tokens a step  "
+                  f"replies as without drafting: {same}/{len(prompts)}",
                   flush=True)
 
 
