@@ -89,11 +89,13 @@ class LLMEngine:
             grammar = GrammarState(self.grammars.get(request.grammar), request.grammar_prefix,
                                    self.grammars.token_bytes)
         tokenizer = self.loaded.tokenizer
+        # bench/gpu_check's random-weight models come without a tokenizer: no stops of their own.
+        model_stops = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
         return Request(
             request_id=request_id, prompt_token_ids=prompt, sampling=request.sampling,
             max_tokens=min(options.max_tokens, room) if options.max_tokens is not None
             else room, options=options,
-            stop_token_ids=tokenizer.stop_token_ids | options.stop_token_ids,
+            stop_token_ids=model_stops | options.stop_token_ids,
             prompt_logprob_entries=[None] if options.prompt_logprobs is not None else [],
             prefill_leader_id=request.prefill_leader, grammar=grammar,
             stop_strings=StopStringChecker(tokenizer, list(options.stop))
