@@ -8,6 +8,15 @@ MODEL   ?= smollm2:135m
 HOST    ?= 127.0.0.1
 PORT    ?= 52625
 
+# tests/test_webui.py drives the chat page in Debian's chromium (Playwright cannot download its
+# own browser everywhere). As root on Debian/Ubuntu it is installed when missing; otherwise
+# install it yourself (README, "The chat page"), or the browser tests are skipped.
+CHROMIUM := command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
+	&& command -v apt-get >/dev/null 2>&1 \
+	&& { apt-get install -y --no-install-recommends chromium >/dev/null \
+	|| { apt-get update >/dev/null && apt-get install -y --no-install-recommends chromium \
+	>/dev/null; }; }; } || echo "chromium not installed: the browser tests will be skipped"
+
 .PHONY: install test serve run lint bench clean
 
 install: $(STAMP)
@@ -19,6 +28,7 @@ $(STAMP): pyproject.toml
 	if ! nvidia-smi >/dev/null 2>&1; then $(PIP) torch==2.13.0 2>&1 | grep -v 'is ignored' || true; fi
 	$(PIP) -e '.[dev,cluster]' 2>&1 | grep -v 'is ignored' || true
 	$(PY) -c 'import torch, triton, sanic, gguf, tokenizers, xgrammar, ray.serve'
+	$(CHROMIUM)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,10 +1,10 @@
 """Who may call the server: the API key (`--api-key`, `KILN_API_KEY`) and CORS
 (`--allowed-origins`), as Sanic middleware over every route.
 
-- With a key, every request but `GET /health` and CORS preflights must carry
-  `Authorization: Bearer <key>` (compared in constant time); otherwise a 401 in the route's
-  error shape: OpenAI's, or Ollama's `{"error": "..."}` under `/api/` (but `/api/load`, kiln's
-  own). Without a key nothing is checked.
+- With a key, every request but `GET /health`, the chat page's files and CORS preflights
+  must carry `Authorization: Bearer <key>` (compared in constant time); otherwise a 401 in
+  the route's error shape: OpenAI's, or Ollama's `{"error": "..."}` under `/api/` (but
+  `/api/load`, kiln's own). Without a key nothing is checked.
 - Pages from localhost origins (http or https; localhost, 127.0.0.1 or [::1]; any port) may
   call the API, and so may the origins `--allowed-origins` names (`*`: any); any other origin
   gets no CORS headers, so the browser keeps the response from the page. Every route answers a
@@ -84,13 +84,16 @@ def unauthorized(request):
     return sanic_json(body, status=http_status(exc), headers={"WWW-Authenticate": "Bearer"})
 
 
-def install(app: Sanic, policy: AccessPolicy) -> None:
+def install(app: Sanic, policy: AccessPolicy, open_paths: frozenset[str] = frozenset()
+            ) -> None:
     """The key check and the CORS headers on every route of `app`, and a preflight route for
-    every path (added at start-up, so routes registered after this call are covered too)."""
+    every path (added at start-up, so routes registered after this call are covered too).
+    open_paths: paths that need no key besides /health (the chat page's files)."""
+    open_paths = OPEN_PATHS | open_paths
 
     @app.on_request
     async def check_key(request):
-        if request.method == "OPTIONS" or request.path in OPEN_PATHS:
+        if request.method == "OPTIONS" or request.path in open_paths:
             return None
         if not policy.authorized(request.headers.get("authorization")):
             return unauthorized(request)

@@ -164,7 +164,7 @@ def cmd_serve(args) -> int:
                            shutdown_timeout=args.shutdown_timeout, models_dirs=dirs,
                            max_request_bytes=args.max_request_bytes,
                            access=AccessPolicy.from_flags(args.api_key, args.allowed_origins),
-                           cluster=cluster)
+                           cluster=cluster, webui=not args.no_webui)
     return serve(args.model, options, args.host, args.port)
 
 
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated origins whose browser pages may call the API "
                             "besides localhost's (http(s)://localhost, 127.0.0.1, [::1], any "
                             "port); '*' lets every origin in")
+    serve.add_argument("--no-webui", action="store_true",
+                       help="serve no chat page at / (by default / is a chat page that "
+                            "calls this server's API)")
     serve.add_argument("--models-dir", action="append", default=None, metavar="DIR",
                        help="a directory whose .gguf files requests may name by file name or "
                             "stem (repeatable or comma-separated; default: the model cache, "

@@ -25,6 +25,7 @@ from kiln.api.routes import (
     ops,
     responses,
     tokenize,
+    webui,
 )
 from kiln.api.state import ServeOptions, ServerState
 from kiln.runtime.errors import KilnError
@@ -98,7 +99,8 @@ def create_app(state: ServerState, name: str = "kiln") -> Sanic:
         if state.serving is not None:
             state.serving.engine.shutdown()
 
-    access.install(app, state.options.access)
+    open_paths = webui.install(app) if state.options.webui else frozenset()
+    access.install(app, state.options.access, open_paths)
 
     @app.on_response
     async def count_response(request, response):
@@ -149,6 +151,8 @@ def serve(model: str, options: ServeOptions, host: str, port: int) -> int:
     app = create_app(state)
     url = f"http://{host}:{port}/v1"
     log.info("[kiln]  Listening on %s", url)
+    if options.webui:
+        log.info("[kiln]  Chat page on http://%s:%d/", host, port)
     app.run(host=host, port=port, single_process=True, access_log=False,
             motd=False)
     log.info("[kiln]  Stopped")

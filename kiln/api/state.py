@@ -45,6 +45,7 @@ class ServeOptions:
     models_dirs: tuple[Path, ...] = field(default_factory=lambda: (default_models_dir(),))
     access: AccessPolicy = AccessPolicy()  # --api-key, --allowed-origins
     cluster: ClusterOptions | None = None  # --replicas: engines on Ray Serve (kiln.cluster)
+    webui: bool = True  # the chat page at / (--no-webui: none)
 
 
 @dataclass(frozen=True)
