@@ -1,10 +1,9 @@
-"""The chat page at `/`, in a real browser (Debian's chromium, headless, driven by Playwright):
-it loads with no console error and no request to another origin, streams a reply frame by
-frame that equals the API's at temperature 0, stops a reply (the server cancels it), switches
-models, shows HTML in a reply as text, asks for the API key once, and fits a phone's width.
-
-One server and one browser serve the module (a fresh browser context, so fresh storage, per
-test); the model switch runs last, and `--api-key` gets a server of its own."""
+"""The chat page at `/` in a real browser (Debian's chromium, headless, via Playwright): no
+console error, no request to another origin; a reply streams frame by frame and equals the
+API's at temperature 0; stop (the server cancels), regenerate, edit, reload, a model switch;
+HTML in a reply stays text; the API key is asked once; a phone's width fits. One server and
+one browser for the module (a fresh context, so fresh storage, per test); the model switch
+runs last, and `--api-key` gets a server of its own."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 from api_server import MODEL, KilnServer
 from prometheus_client.parser import text_string_to_metric_families
-from webui_browser import CHROMIUM, Tab
+from webui_browser import CHROMIUM, new_tab
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Debian's chromium (README, 'The chat page')")
@@ -41,14 +40,6 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         yield b
         b.close()
-
-
-def new_tab(browser, origin: str, width: int = 1280, height: int = 800) -> Tab:
-    context = browser.new_context(viewport={"width": width, "height": height})
-    context.set_default_timeout(60_000)
-    tab = Tab(context.new_page(), origin)
-    tab.watch()
-    return tab
 
 
 @pytest.fixture
@@ -279,14 +270,8 @@ HOSTILE_CONVERSATION = {
          "reasoning": '<svg onload="window.pwned=5"></svg> thinking'}]}
 
 
-def preload(tab: Tab, *conversations: dict) -> None:
-    """Conversations in the page's storage before its scripts run."""
-    tab.page.add_init_script(
-        f"localStorage.setItem('kiln.conversations', {json.dumps(json.dumps(conversations))})")
-
-
 def test_html_in_a_reply_is_shown_as_text_and_runs_nothing(tab, server):
-    preload(tab, HOSTILE_CONVERSATION)
+    tab.preload(HOSTILE_CONVERSATION)
     tab.page.context.grant_permissions(["clipboard-read", "clipboard-write"],
                                        origin=server.url)
     tab.open()
@@ -321,7 +306,7 @@ def test_a_phone_sized_window_has_no_horizontal_scroll(browser, server):
     long = dict(HOSTILE_CONVERSATION, id="long", messages=[
         {"role": "user", "content": "x" * 300},
         {"role": "assistant", "content": "y" * 300 + "\n\n```\n" + "z = 1; " * 80 + "\n```"}])
-    preload(tab, long)
+    tab.preload(long)
     try:
         tab.open()
         fits = "document.documentElement.scrollWidth <= window.innerWidth"

@@ -44,6 +44,12 @@ class Tab:
 
     # --- what the tests do on the page ---
 
+    def preload(self, *conversations: dict) -> None:
+        """Conversations in the page's storage before its scripts run."""
+        self.page.add_init_script(
+            "localStorage.setItem('kiln.conversations', "
+            f"{json.dumps(json.dumps(conversations))})")
+
     def open(self):
         response = self.page.goto(f"{self.origin}/")
         self.wait_ready()
@@ -82,3 +88,12 @@ class Tab:
     def last_reply_text(self) -> str:
         return self.page.evaluate(
             "[...document.querySelectorAll('.msg.assistant .body')].pop().textContent")
+
+
+def new_tab(browser, origin: str, width: int = 1280, height: int = 800) -> Tab:
+    """A tab in a fresh context of `browser` (a playwright Browser)."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.set_default_timeout(60_000)
+    tab = Tab(context.new_page(), origin)
+    tab.watch()
+    return tab
