@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 from api_server import MODEL, KilnServer
-from prometheus_client.parser import text_string_to_metric_families
-from webui_browser import CHROMIUM, new_tab
+from webui_browser import CHROMIUM, js_number, new_tab
+from webui_oracle import aborted_requests, api_first_token_ms, metric_sums
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Debian's chromium (README, 'The chat page')")
@@ -47,42 +47,6 @@ def tab(browser, server):
     t = new_tab(browser, server.url)
     yield t
     t.page.context.close()
-
-
-def js_number(v) -> str:
-    """A JSON number as JavaScript prints it (1.0 is "1")."""
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
-
-
-def metric_sums(text: str) -> dict[str, float]:
-    sums = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            sums[s.name] = sums.get(s.name, 0.0) + s.value
-    return sums
-
-
-def aborted_requests(server) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "kiln:request_success_total"
-               and s.labels.get("finished_reason") == "abort")
-
-
-def api_first_token_ms(server, body: dict) -> float:
-    """The API's own time to first text for `body`, from an HTTP client beside the page (read
-    to the end: a client that hung up would count as an aborted request)."""
-    t0 = time.perf_counter()
-    first = None
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                      timeout=60) as r:
-        for line in r.iter_lines():
-            if first is None and line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["delta"].get("content"):
-                    first = (time.perf_counter() - t0) * 1000
-    assert first is not None, "the API's stream had no text"
-    return first
 
 
 # --- the page and its files ----------------------------------------------------------------
@@ -236,6 +200,22 @@ def test_regenerate_edit_and_the_system_prompt(tab, server):
     msgs = tab.conversations()[0]["messages"]
     assert [m["content"] for m in msgs if m["role"] == "user"] == ["Name a fruit."]
     assert tab.chat_bodies()[-1]["messages"][-1] == {"role": "user", "content": "Name a fruit."}
+    tab.assert_clean()
+
+
+def test_bad_settings_and_refused_requests_show_a_clear_message(tab, server):
+    tab.open()
+    tab.set_fields(top_k="2.5")
+    tab.send("Hi")
+    tab.page.wait_for_selector(".msg.assistant .error")
+    assert tab.page.text_content(".msg.assistant .error") == 'top_k must be a whole number, ' \
+        'not "2.5"'
+    assert tab.chat_bodies() == []  # nothing was sent
+    tab.set_fields(top_k="", max_tokens=10**7)
+    tab.page.click(".msg.assistant button:text('Regenerate')")
+    tab.wait_reply_done()
+    assert tab.page.text_content(".msg.assistant .error") == "Max length reached!"
+    tab.allowed_errors = r"status of 400"  # the browser logs the refused call
     tab.assert_clean()
 
 

@@ -90,6 +90,11 @@ class Tab:
             "[...document.querySelectorAll('.msg.assistant .body')].pop().textContent")
 
 
+def js_number(v) -> str:
+    """A JSON number as the page's JavaScript prints it (1.0 is "1")."""
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
 def new_tab(browser, origin: str, width: int = 1280, height: int = 800) -> Tab:
     """A tab in a fresh context of `browser` (a playwright Browser)."""
     context = browser.new_context(viewport={"width": width, "height": height})
