@@ -15,7 +15,7 @@ export const FIELDS = [
   ["repetition_penalty", false],
   ["repeat_last_n", true],
   ["seed", true, "random"],
-  ["max_tokens", true, "to the end of the context"],
+  ["max_tokens", true, "up to the context"],
 ];
 
 function readStored() {
