@@ -46,16 +46,7 @@ run() {
     .venv/bin/kiln serve "$MODEL" --host 127.0.0.1 --port "$PORT" --ctx-len "$CTX" \
         "${kv[@]}" "$@" >>"$log" 2>&1 &
     SERVER_PID=$!
-    local deadline=$((SECONDS + START_TIMEOUT))
-    until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-            echo "cluster.sh: $label did not become ready:" >&2
-            tail -n 30 "$log" >&2
-            exit 1
-        fi
-        sleep 0.5
-    done
-    echo "[cluster]  $label ready on port $PORT" >&2
+    wait_ready "$label" "http://127.0.0.1:$PORT/health" "$SERVER_PID" "$log"
     .venv/bin/kiln bench --base-url "http://127.0.0.1:$PORT/v1" --label "$label" \
         --model "$MODEL" --prompts "$PROMPTS" --concurrency "$LEVELS" --requests "$REQUESTS" \
         --max-tokens "$MAX_TOKENS" --long-tokens "$LONG_TOKENS" --warmup "$WARMUP" \

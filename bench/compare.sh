@@ -110,16 +110,7 @@ start() {
     shift 2
     "$@" >>"$log" 2>&1 &
     SERVER_PID=$!
-    local deadline=$((SECONDS + START_TIMEOUT))
-    until curl -sf -o /dev/null "http://127.0.0.1:$PORT$ready"; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-            echo "compare.sh: $label did not become ready on port $PORT:" >&2
-            tail -n 30 "$log" >&2
-            exit 1
-        fi
-        sleep 0.5
-    done
-    echo "[compare]  $label ready on port $PORT" >&2
+    wait_ready "$label" "http://127.0.0.1:$PORT$ready" "$SERVER_PID" "$log"
 }
 
 # start_llama SLOTS: llama-server with SLOTS slots of CTX tokens each.

@@ -1,4 +1,4 @@
-# Sourced by bench/compare.sh and bench/cluster.sh: one server at a time in $SERVER_PID, a
+# Sourced by bench/compare.sh, cluster.sh and spec.sh: one server at a time in $SERVER_PID, a
 # scratch dir in $WORK, both cleaned up on exit. Set PY first.
 WORK=$(mktemp -d)
 SERVER_PID=""
@@ -17,6 +17,21 @@ stop_server() {
 }
 trap 'stop_server; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
+
+# wait_ready LABEL URL PID LOG: until URL answers 200 (the model is loaded); if the server
+# dies or START_TIMEOUT passes first, the end of LOG and exit 1.
+wait_ready() {
+    local label=$1 url=$2 pid=$3 log=$4 deadline=$((SECONDS + START_TIMEOUT))
+    until curl -sf -o /dev/null "$url"; do
+        if ! kill -0 "$pid" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
+            echo "$(basename "$0"): $label did not become ready at $url:" >&2
+            tail -n 30 "$log" >&2
+            exit 1
+        fi
+        sleep 0.5
+    done
+    echo "[$(basename "$0" .sh)]  $label ready at $url" >&2
+}
 
 free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

@@ -62,16 +62,7 @@ start() {
     "$@" --port "$port" >>"$log" 2>&1 &
     PIDS[$label]=$!
     PORTS[$label]=$port
-    local deadline=$((SECONDS + START_TIMEOUT))
-    until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
-        if ! kill -0 "${PIDS[$label]}" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-            echo "spec.sh: $label did not become ready on port $port:" >&2
-            tail -n 30 "$log" >&2
-            exit 1
-        fi
-        sleep 0.5
-    done
-    echo "[spec]  $label ready on port $port" >&2
+    wait_ready "$label" "http://127.0.0.1:$port/health" "${PIDS[$label]}" "$log"
 }
 
 # bench LABEL KIND REP: one workload at every level, kiln's counters read around it.
