@@ -29,8 +29,9 @@
 #              WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
 #              BENCH_REPS (5)  llama-bench's -r (repetitions of pp512 and of tg64)
 #              KILN_DTYPES  kiln's --dtype for each kiln server, in turn (float32; "float32
-#                            bfloat16" adds a kiln-bf16 server and its own ratio table; "none"
-#                            runs llama.cpp alone)
+#                            bfloat16" adds a kiln-bf16 server and its own ratio table; int8
+#                            is a kiln-int8 server with --int8-activations; "none" runs
+#                            llama.cpp alone)
 #              LLAMA_NO_REPACK=1  llama-server --no-repack and llama-bench --repack 0: llama.cpp's
 #                            weights without its CPU repacking (AMX / AVX-512 layouts), only where
 #                            that path crashes; it slows llama.cpp, so say so beside its figures
@@ -150,9 +151,11 @@ for dtype in $KILN_DTYPES; do
     label=kiln
     [ "$dtype" = float32 ] || label=kiln-${dtype/bfloat16/bf16}
     KILN_LABELS+=("$label")
+    flags=(--dtype "$dtype")
+    [ "$dtype" = int8 ] && flags=(--int8-activations)
     PORT=$(free_port)
     start "$label" /health .venv/bin/kiln serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-        --ctx-len "$CTX" --dtype "$dtype"
+        --ctx-len "$CTX" "${flags[@]}"
     bench_short "$label"
     bench_long "$label"
     stop_server

@@ -123,6 +123,73 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
         assert torch.equal(a, b)
 
 
+# --- products on 8-bit activations (csrc/linear_i8.c) ------------------------------------------
+
+
+def _int8(srcs, threads=2, flags=()):
+    backend = CpuBackend(threads=threads, extra_flags=flags, int8_products=True)
+    w = backend.linear(srcs)
+    assert w.int8
+    return w
+
+
+def _exact_in_8_bits(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x that rounding to 8 bits per run of 16 keeps exactly: n * 2^e, |n| <= 127, a 127 in
+    every run."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(-127, 128, size=(rows, cols))
+    n[:, ::16] = 127
+    scale = 2.0 ** rng.integers(-9, 0, size=(rows, cols // 16)).repeat(16, axis=1)
+    return torch.from_numpy((n * scale).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 37])
+def test_int8_products_are_fp64_products_where_rounding_x_loses_nothing(qtype, rows):
+    # stacked, with a ragged last group; every tile shape (1-4 rows) and the group tails
+    srcs = [_source(qtype, 256, 512, 1), _source(qtype, 40, 512, 2)]
+    x = _exact_in_8_bits(rows, 512, rows)
+    ref = x.double() @ torch.from_numpy(np.concatenate([s.dequantize() for s in srcs])).double().T
+    y = _int8(srcs)(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 296)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_int8_products_err_by_no_more_than_rounding_x_to_8_bits(qtype):
+    src = _source(qtype, 96, 512, 3)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((7, 512), np.float32))
+    w = torch.from_numpy(src.dequantize()).double()
+    # |x - round(x)| <= d / 2 per element, d = max|x| / 127 over its run of 16
+    half_step = (x.abs().view(7, 32, 16).amax(-1) / 127 / 2).repeat_interleave(16, -1).double()
+    bound = half_step @ w.abs().T
+    err = (_int8([src])(x).double() - x.double() @ w.T).abs()
+    assert (err <= bound * 1.0001 + 1e-5).all()
+    assert err.max() > 0  # x was rounded: the fp32 products would not match this
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_int8_rows_give_the_same_bits_whatever_the_batch_threads_and_isa(qtype):
+    src = _source(qtype, 200, 768, 6)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((41, 768), np.float32))
+    full = _int8([src])(x)
+    two = _int8([src])
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 5), slice(2, 9), slice(4, 10), slice(1, 41)):
+        assert torch.equal(two(x[rows].contiguous()), full[rows])
+    assert torch.equal(_int8([src], threads=1)(x), full)
+    assert torch.equal(_int8([src], threads=3)(x[:6].contiguous()), full[:6])
+    if HAS_AVX512:
+        assert torch.equal(_int8([src], flags=("-mno-avx512f",))(x), full)
+
+
+def test_int8_leaves_float_weights_and_ragged_k_on_the_fp32_products():
+    assert not CpuBackend(int8_products=True).linear([_source(Q.F16, 32, 512, 0)]).int8
+    mixed = [_source(Q.Q8_0, 16, 256, 0), _source(Q.F32, 16, 256, 1)]
+    assert not CpuBackend(int8_products=True).linear(mixed).int8
+    with pytest.raises(ValueError, match="no i8 layout"):
+        pack(_source(Q.BF16, 16, 64, 0).raw_bytes(), Q.BF16, 64, "i8")
+
+
 def test_embedding_rows_are_the_dequantized_rows(be):
     src = _source(Q.Q8_0, 100, 576, 8)
     emb = be.embedding(src)

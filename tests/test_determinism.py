@@ -62,3 +62,28 @@ def test_same_bits_alone_batched_cached_and_cold(smollm2, make_engine, sampling,
     assert batched[:2] == alone[:2]
     assert cached[:2] == alone[:2]
     assert cold[:2] == alone[:2]
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(smollm2_gguf):
+    from kiln.runtime.backends.cpu.backend import CpuBackend
+    from kiln.runtime.models.loader import load_model
+
+    return load_model("smollm2:135m", backend=CpuBackend(int8_products=True))
+
+
+def test_int8_activations_keep_the_bits_alone_batched_and_cached(smollm2, smollm2_int8,
+                                                                  make_engine):
+    """--int8-activations changes the logits (within rounding x to 8 bits), not their
+    reproducibility: 8-bit x is rounded per row, and integer sums are exact."""
+    prompt = _prompt(smollm2, "Invent a name for a pet dragon and tell its story.")
+    engine = make_engine(kv_cache_tokens=8192, model=smollm2_int8)
+    alone = _run(engine, prompt, SEEDED, 32)
+    assert engine.reset_prefix_cache()
+    batched = _run(engine, prompt, SEEDED, 32, _others(engine, smollm2))
+    run_to_completion(engine, [make_request(engine, "warm", prompt, GREEDY, max_tokens=1)])
+    cached = _run(engine, prompt, SEEDED, 32)
+    assert cached[2] > 0
+    assert alone[:2] == batched[:2] == cached[:2]
+    fp32 = _run(make_engine(kv_cache_tokens=8192), prompt, SEEDED, 32)
+    assert fp32[1] != alone[1]  # the logprobs are the 8-bit path's own

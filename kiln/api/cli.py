@@ -21,12 +21,21 @@ DTYPE_HELP = ("auto (default): bfloat16 on a GPU, float32 on the CPU. On the CPU
               "weights, KV cache and attention in that dtype (float16 on CUDA only)")
 
 
+INT8_HELP = ("CPU: the linear layers multiply 8-bit integers (each run of 32 inputs rounded "
+             "to 8 bits, as llama.cpp does; VNNI dot products on the GGUF's own quants): "
+             "faster at one stream, logits no longer within fp32 rounding of transformers' "
+             "(bench/README.md gives the measured cost). Bits still do not depend on the batch")
+
+
 def _dtype_refusal(args) -> str | None:
     import torch
 
-    from kiln.runtime.backends import dtype_refusal
+    from kiln.runtime.backends import dtype_refusal, resolve_dtype
 
-    return dtype_refusal(args.dtype, torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    if args.int8_activations and (cuda or resolve_dtype(args.dtype, cuda) != "float32"):
+        return "--int8-activations is for the CPU kernels' products, in place of float32 ones"
+    return dtype_refusal(args.dtype, cuda)
 
 
 def speculative_config(args):
@@ -61,6 +70,7 @@ def engine_options(args):
                          prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
                          kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                          max_num_seqs=getattr(args, "max_num_seqs", None), dtype=args.dtype,
+                         int8_activations=args.int8_activations,
                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                          enforce_eager=getattr(args, "enforce_eager", False))
 
@@ -185,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
     run.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    run.add_argument("--int8-activations", action="store_true", help=INT8_HELP)
     add_speculative_flags(run)
     run.set_defaults(func=cmd_run)
 
@@ -210,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "or greedy request gives the same bits alone, batched, or from "
                             "the prefix cache by default")
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    serve.add_argument("--int8-activations", action="store_true", help=INT8_HELP)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA: the fraction of the GPU's memory kiln may use; the KV cache "
                             "gets what the weights and a step's activations leave of it "

@@ -66,9 +66,11 @@ def dtype_refusal(name: str, cuda: bool) -> str | None:
 
 
 def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 use_triton: bool = False, threads: int | None = None):
-    """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU);
-    otherwise torch on dense weights. threads: the CPU kernels' (default: one per core)."""
+                 use_triton: bool = False, threads: int | None = None,
+                 int8_activations: bool = False):
+    """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU, or
+    products on 8-bit activations); otherwise torch on dense weights. threads: the CPU
+    kernels' (default: one per core)."""
     if torch.device(device).type == "cpu" and not use_triton:
         from kiln.runtime.backends.cpu import library
 
@@ -76,7 +78,8 @@ def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
         if reason is None:
             from kiln.runtime.backends.cpu.backend import CpuBackend
 
-            return CpuBackend(bf16_products=dtype == torch.bfloat16, threads=threads)
+            return CpuBackend(bf16_products=dtype == torch.bfloat16, threads=threads,
+                              int8_products=int8_activations)
         log.warning("[kiln]  CPU kernels unavailable, using torch (slower, and a request's "
                     "bits may follow its batch): %s", reason)
     from kiln.runtime.backends.dense import DenseBackend

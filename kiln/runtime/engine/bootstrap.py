@@ -32,6 +32,7 @@ class EngineOptions:
     threads: int | None = None  # CPU kernels' threads; None: one per core (a cluster
     # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
     speculative: SpeculativeConfig | None = None  # --speculative: drafting; None: off
+    int8_activations: bool = False  # CPU: products on 8-bit activations (runtime/backends/cpu)
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -42,7 +43,7 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, resolve_dtype(options.dtype, cuda))
     loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype,
-                        threads=options.threads)
+                        threads=options.threads, int8_activations=options.int8_activations)
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,

@@ -21,7 +21,7 @@ import torch
 
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
-from kiln.runtime.backends.cpu.packing import pack
+from kiln.runtime.backends.cpu.packing import I8_TYPES, pack
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.store.gguf_file import WeightSource
 
@@ -32,15 +32,21 @@ class PackedLinear:
     """A linear layer's weight in the packed GGUF blocks: `w(x)` is x @ W.T (+ bias).
 
     Several GGUF tensors stacked along the outputs (Q, K and V; gate and up) may differ in
-    type; each keeps its own and writes its own columns of the one output."""
+    type; each keeps its own and writes its own columns of the one output.
 
-    __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "_args")
+    int8: the products on 8-bit activations (csrc/linear_i8.c) where every part's type has
+    them and K is whole blocks of 32; the fp32 products (csrc/linear.c) otherwise."""
 
-    def __init__(self, sources: list[WeightSource], bias: torch.Tensor | None, lib, threads: int):
+    __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "int8", "_args")
+
+    def __init__(self, sources: list[WeightSource], bias: torch.Tensor | None, lib, threads: int,
+                 int8: bool = False):
         self.cols = sources[0].cols
         if any(s.cols != self.cols for s in sources):
             raise ValueError("stacked weights must share their input size")
-        self.blocks = [pack(s.raw_bytes(), s.qtype, s.cols) for s in sources]  # kept alive
+        self.int8 = int8 and self.cols % 32 == 0 and all(s.qtype in I8_TYPES for s in sources)
+        layout = "i8" if self.int8 else "fp32"
+        self.blocks = [pack(s.raw_bytes(), s.qtype, s.cols, layout) for s in sources]  # kept alive
         self.parts = (library.Part * len(sources))()
         at = 0
         for part, s, blocks in zip(self.parts, sources, self.blocks, strict=True):
@@ -58,8 +64,12 @@ class PackedLinear:
         T = x.shape[0]
         y = torch.empty((T, self.rows), dtype=torch.float32)
         parts, nparts, bias = self._args
-        self.lib.kiln_linear(x.data_ptr(), T, self.cols, x.stride(0), parts, nparts, bias,
-                             y.data_ptr(), self.rows, self.threads)
+        if not self.int8:
+            self.lib.kiln_linear(x.data_ptr(), T, self.cols, x.stride(0), parts, nparts, bias,
+                                 y.data_ptr(), self.rows, self.threads)
+        elif self.lib.kiln_linear_i8(x.data_ptr(), T, self.cols, x.stride(0), parts, nparts,
+                                     bias, y.data_ptr(), self.rows, self.threads):
+            raise MemoryError(f"no scratch for {T} x {self.cols} 8-bit activations")
         return y
 
 
@@ -87,12 +97,12 @@ class CpuBackend:
     dtype = torch.float32
 
     def __init__(self, bf16_products: bool = False, threads: int | None = None,
-                 extra_flags: tuple[str, ...] = ()):
+                 extra_flags: tuple[str, ...] = (), int8_products: bool = False):
         """bf16_products: the linear layers in oneDNN's packed bf16 (`--dtype bfloat16`, a
         throughput mode that is not bit-exact); everything else stays on the kernels."""
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
-        self.bf16_products = bf16_products
+        self.bf16_products, self.int8_products = bf16_products, int8_products
         # The kernels bring their own pool; torch's ops stay on the caller's thread, except
         # oneDNN's bf16 products, which run on torch's own threads. Process-wide, so it is
         # set by the thread that steps this model (ModelRunner), not here: a model loading
@@ -107,7 +117,7 @@ class CpuBackend:
             from kiln.runtime.backends.cpu.bf16 import PackedBf16
 
             return PackedBf16(sources, b)
-        return PackedLinear(sources, b, self.lib, self.threads)
+        return PackedLinear(sources, b, self.lib, self.threads, self.int8_products)
 
     def embedding(self, source: WeightSource) -> PackedEmbedding:
         return PackedEmbedding(source, self.lib, self.threads)
@@ -120,6 +130,8 @@ class CpuBackend:
             from kiln.runtime.backends.cpu.bf16 import PackedBf16
 
             return PackedBf16([embedding.source], None)
+        if self.int8_products:  # its own copy in the i8 layout; the lookups keep the fp32 one
+            return self.linear([embedding.source])
         return embedding.linear
 
     def vector(self, values: np.ndarray) -> torch.Tensor:

@@ -28,6 +28,8 @@ SIGNATURES = {
     "kiln_dequant": ([_INT, _P, _I, _I, _P], None),
     "kiln_embed": ([_INT, _P, _I, _P, _I, _P, _INT], None),
     "kiln_linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT], None),
+    "kiln_linear_i8": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT], _INT),
+    "kiln_i8_type": ([_INT], _INT),
     "kiln_rms_norm": ([_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _INT], None),
     "kiln_rope": ([_P, _I, _I, _I, _I, _I, _P, _P, _P, _INT], None),
     "kiln_act_mul": ([_P, _I, _I, _I, _INT, _P, _I, _INT], None),

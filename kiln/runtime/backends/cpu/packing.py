@@ -35,6 +35,7 @@ BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5
                Q.Q6_K: 210}
 FLOAT_BYTES = {Q.F32: 4, Q.F16: 2, Q.BF16: 2}
 SUPPORTED = frozenset(SB)
+I8_TYPES = frozenset(BLOCK_BYTES)  # the types csrc/linear_i8.c multiplies
 
 
 def _groups(a: np.ndarray) -> np.ndarray:
@@ -58,15 +59,31 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
 
 
-def _planes(q: np.ndarray, nsb: int) -> np.ndarray:
+def _quads(a: np.ndarray) -> np.ndarray:
+    """[G, nsb, SB, 16 rows] -> [G, nsb, SB / 4 quads, 16 rows, 4 k]: the i8 layout's order."""
+    G, nsb, sb, _ = a.shape
+    return a.reshape(G, nsb, sb // 4, 4, 16).transpose(0, 1, 2, 4, 3)
+
+
+def _planes(q: np.ndarray, nsb: int, layout: str) -> np.ndarray:
     lo = _interleave((q & 15).astype(np.uint8), nsb)  # [G, nsb, SB, 16]
+    if layout == "i8":  # quads 2c and 2c + 1 as the low and high nibbles of one vector
+        quads = _quads(lo)
+        return _bytes(quads[:, :, 0::2] | (quads[:, :, 1::2] << 4))
     return _bytes(lo[:, :, 0::2] | (lo[:, :, 1::2] << 4))
 
 
-def _top_bits(q: np.ndarray, nsb: int, width: int) -> np.ndarray:
-    """The bits above the low four, `width` of them per row, one word per k."""
-    hi = _interleave(((q >> 4) & ((1 << width) - 1)).astype(np.uint32), nsb)
-    word = (hi << (np.arange(16, dtype=np.uint32) * width)).sum(axis=-1, dtype=np.uint32)
+def _top_bits(q: np.ndarray, nsb: int, width: int, layout: str) -> np.ndarray:
+    """The bits above the low four, `width` of them per row: one word per k, or (i8) one
+    64-bit mask per quad and bit, bit 4r + j for row r's k = 4s + j."""
+    hi = _interleave(((q >> 4) & ((1 << width) - 1)).astype(np.uint64), nsb)
+    if layout == "i8":
+        quads = _quads(hi).reshape(*hi.shape[:2], -1, 64)  # [G, nsb, quads, 64 bytes]
+        place = np.arange(64, dtype=np.uint64)
+        masks = [((quads >> np.uint64(bit)) & np.uint64(1)) << place for bit in range(width)]
+        words = np.stack([m.sum(axis=-1, dtype=np.uint64) for m in masks], axis=-1)
+        return _bytes(words)
+    word = (hi << (np.arange(16, dtype=np.uint64) * width)).sum(axis=-1, dtype=np.uint64)
     return _bytes(word.astype(np.uint16 if width == 1 else np.uint32))
 
 
@@ -87,8 +104,13 @@ def _k4_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def pack(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
-    """raw: [N, row bytes] uint8, a GGUF tensor's rows -> [G, group bytes] uint8."""
+def pack(raw: np.ndarray, qtype: Q, cols: int, layout: str = "fp32") -> np.ndarray:
+    """raw: [N, row bytes] uint8, a GGUF tensor's rows -> [G, group bytes] uint8.
+
+    layout "fp32" is csrc/linear.c's; "i8" (quantized types only) csrc/linear_i8.c's: the
+    same headers and bytes, the quants of each 32 k in quads of 4 k (see linear_i8.c)."""
+    if layout not in ("fp32", "i8") or (layout == "i8" and qtype not in I8_TYPES):
+        raise ValueError(f"no {layout} layout for GGUF type {qtype.name}")
     if qtype not in SUPPORTED:
         raise ValueError(f"no CPU kernel for GGUF type {qtype.name}")
     N, K = raw.shape[0], cols
@@ -100,7 +122,8 @@ def pack(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
     b = raw.reshape(N, nsb, BLOCK_BYTES[qtype])
     if qtype == Q.Q8_0:
         q = b[..., 2:34].view(np.int8).reshape(N, K)
-        parts = [_per_row(_f16(b[..., 0:2]), nsb), _bytes(_interleave(q, nsb))]
+        q = _interleave(q, nsb)
+        parts = [_per_row(_f16(b[..., 0:2]), nsb), _bytes(_quads(q) if layout == "i8" else q)]
     elif qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0):
         start = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 6}[qtype]
         qs = b[..., start:start + 16]  # byte j: weight j (low nibble), j + 16 (high)
@@ -111,8 +134,8 @@ def pack(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
         if qtype == Q.Q5_0:
             qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [N, nsb, 1]
             q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4
-            parts.append(_top_bits(q.reshape(N, K), nsb, 1))
-        parts.append(_planes(q.reshape(N, K), nsb))
+            parts.append(_top_bits(q.reshape(N, K), nsb, 1, layout))
+        parts.append(_planes(q.reshape(N, K), nsb, layout))
     elif qtype in (Q.Q4_K, Q.Q5_K):
         sc, mn = _k4_scales(b[..., 4:16])  # [N, nsb, 8]
         qs = b[..., -128:].reshape(N, nsb, 4, 32)  # sub-blocks 2c (low) and 2c + 1 (high)
@@ -124,15 +147,15 @@ def pack(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
         q = q.reshape(N, K)
         parts = [_per_row(_f16(b[..., 0:2]), nsb), _per_row(_f16(b[..., 2:4]), nsb),
                  _bytes(_interleave(sc.reshape(N, -1), nsb)),
-                 _bytes(_interleave(mn.reshape(N, -1), nsb)), _planes(q, nsb)]
+                 _bytes(_interleave(mn.reshape(N, -1), nsb)), _planes(q, nsb, layout)]
         if qtype == Q.Q5_K:
-            parts.append(_top_bits(q, nsb, 1))
+            parts.append(_top_bits(q, nsb, 1, layout))
     else:  # Q6_K
         ql, qh, scales, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], b[..., 208:210]
         lo = (ql.reshape(N, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 15
         hi = (qh.reshape(N, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
         q = (lo.reshape(N, K).astype(np.uint32) | (hi.reshape(N, K).astype(np.uint32) << 4))
         parts = [_per_row(_f16(d), nsb), _bytes(_interleave(scales.reshape(N, -1), nsb)),
-                 _planes(q, nsb), _top_bits(q, nsb, 2)]
+                 _planes(q, nsb, layout), _top_bits(q, nsb, 2, layout)]
     out = np.concatenate(parts, axis=-1)  # [G, nsb, super-block bytes]
     return np.ascontiguousarray(out.reshape(out.shape[0], -1))

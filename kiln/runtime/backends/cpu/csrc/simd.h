@@ -13,6 +13,9 @@
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__)
+#if !defined(__AVX512BW__)
+#error "kiln's AVX-512 kernels need AVX-512BW (every AVX-512 CPU since Skylake-SP has it)"
+#endif
 typedef __m512 vf;
 typedef __m512i vi;
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
@@ -65,6 +68,29 @@ INLINE float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
 INLINE vf vf_keep_in(vf z, vf k, vf lo, vf hi) {
     const __mmask16 in = _mm512_cmp_ps_mask(k, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(k, lo, _CMP_GT_OQ);
     return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), in, z);
+}
+/* The 8-bit products' vectors: 64 bytes as 16 lanes of four, lane r holding row r's four
+ * k (linear_i8.c). */
+INLINE vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+/* byte b = v where bit b of the 64-bit word at p is set, else 0 */
+INLINE vi vi_bytes_where(const uint8_t *p, int v) {
+    uint64_t m;
+    memcpy(&m, p, 8);
+    return _mm512_maskz_mov_epi8((__mmask64)m, _mm512_set1_epi8((char)v));
+}
+/* acc + the sum of each lane's four u8 x s8 products. Exact: VNNI does not saturate, and
+ * maddubs's 16-bit pair sums cannot for the operands used here (u <= 128, |s| <= 127). */
+INLINE vi vi_dot_u8s8(vi acc, vi u, vi s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+/* |w| bytewise, and s negated where w < 0: a signed x signed product as u8 x s8 */
+INLINE vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
+INLINE vi vi_sign8(vi s, vi w) {
+    return _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef struct { __m256 lo, hi; } vf;
@@ -147,6 +173,31 @@ INLINE vf vf_keep_in(vf z, vf k, vf lo, vf hi) {
     const __m256 in_hi = _mm256_and_ps(_mm256_cmp_ps(k.hi, hi.hi, _CMP_LE_OQ), _mm256_cmp_ps(k.hi, lo.hi, _CMP_GT_OQ));
     return VF2(_mm256_blendv_ps(ninf, z.lo, in_lo), _mm256_blendv_ps(ninf, z.hi, in_hi));
 }
+INLINE vi vi_load(const void *p) {
+    return VI2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
+}
+/* byte b = 0xff where bit b of x is set */
+INLINE __m256i bits32_(uint32_t x) {
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                             0x0101010101010101, 0);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), spread);
+    return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+}
+INLINE vi vi_bytes_where(const uint8_t *p, int v) {
+    uint32_t a, b;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    const __m256i val = _mm256_set1_epi8((char)v);
+    return VI2(_mm256_and_si256(bits32_(a), val), _mm256_and_si256(bits32_(b), val));
+}
+INLINE vi vi_dot_u8s8(vi acc, vi u, vi s) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return VI2(_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(u.lo, s.lo), one)),
+               _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(u.hi, s.hi), one)));
+}
+INLINE vi vi_abs8(vi w) { return VI2(_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)); }
+INLINE vi vi_sign8(vi s, vi w) { return VI2(_mm256_sign_epi8(s.lo, w.lo), _mm256_sign_epi8(s.hi, w.hi)); }
 #else
 #error "kiln's CPU kernels need AVX2, FMA and F16C (or AVX-512)"
 #endif
