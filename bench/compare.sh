@@ -28,10 +28,10 @@
 #              default)  MAX_TOKENS (128)  LONG_TOKENS (2000)  LONG_REQUESTS (REQUESTS)
 #              WARMUP (2)  OUT (bench/results)  START_TIMEOUT (600 s)
 #              BENCH_REPS (5)  llama-bench's -r (repetitions of pp512 and of tg64)
-#              KILN_DTYPES  kiln's --dtype for each kiln server, in turn (float32; "float32
-#                            bfloat16" adds a kiln-bf16 server and its own ratio table; int8
-#                            is a kiln-int8 server with --int8-activations; "none" runs
-#                            llama.cpp alone)
+#              KILN_DTYPES  kiln's --dtype for each kiln server, in turn (auto, the default:
+#                            8-bit activations on the CPU; "auto float32" adds a kiln-fp32
+#                            server (fp32 products) and its own ratio table, bfloat16 a
+#                            kiln-bf16 one; "none" runs llama.cpp alone)
 #              LLAMA_NO_REPACK=1  llama-server --no-repack and llama-bench --repack 0: llama.cpp's
 #                            weights without its CPU repacking (AMX / AVX-512 layouts), only where
 #                            that path crashes; it slows llama.cpp, so say so beside its figures
@@ -63,7 +63,7 @@ WARMUP=${WARMUP:-2}
 LONG_REQUESTS=${LONG_REQUESTS:-$REQUESTS}
 BENCH_REPS=${BENCH_REPS:-5}
 LLAMA_NO_REPACK=${LLAMA_NO_REPACK:-0}
-KILN_DTYPES=${KILN_DTYPES:-float32}
+KILN_DTYPES=${KILN_DTYPES:-auto}
 [ "$KILN_DTYPES" = none ] && KILN_DTYPES=""
 OUT=${OUT:-bench/results}
 START_TIMEOUT=${START_TIMEOUT:-600}
@@ -149,13 +149,12 @@ bench_long() {
 KILN_LABELS=()
 for dtype in $KILN_DTYPES; do
     label=kiln
-    [ "$dtype" = float32 ] || label=kiln-${dtype/bfloat16/bf16}
+    [ "$dtype" = auto ] || label=kiln-${dtype/bfloat16/bf16}
+    label=${label/float32/fp32}
     KILN_LABELS+=("$label")
-    flags=(--dtype "$dtype")
-    [ "$dtype" = int8 ] && flags=(--int8-activations)
     PORT=$(free_port)
     start "$label" /health .venv/bin/kiln serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-        --ctx-len "$CTX" "${flags[@]}"
+        --ctx-len "$CTX" --dtype "$dtype"
     bench_short "$label"
     bench_long "$label"
     stop_server

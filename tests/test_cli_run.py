@@ -38,13 +38,14 @@ def test_chat_prompt_is_transformers_prompt(tag):
 
 
 def test_kiln_run_writes_the_greedy_reply_of_transformers():
-    """Gemma 3's defaults add no penalty, so temperature 0 is plain greedy decoding."""
+    """Gemma 3's defaults add no penalty, so temperature 0 is plain greedy decoding; with
+    --dtype float32 the products are fp32, whose logits are transformers' to ~1e-4."""
     path = ensure_model("gemma3:270m")
     case = _first_user_only_case(path)
     loaded = load_model("gemma3:270m")
     n = len(case["greedy_ids"])
     r = _kiln_run("gemma3:270m", case["messages"][0]["content"], "--temperature", "0",
-                  "--max-tokens", str(n))
+                  "--max-tokens", str(n), "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     expected = loaded.tokenizer.decode(case["greedy_ids"], skip_special_tokens=True)
     assert r.stdout == expected + "\n"
@@ -66,3 +67,12 @@ def test_kiln_run_names_a_missing_model_and_exits_1(tmp_path):
     r = _kiln_run(str(tmp_path / "nope.gguf"), "hi")
     assert r.returncode == 1
     assert "nope.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flags,int8", [({}, True), ({"dtype": "float32"}, False),
+                                        ({"int8_activations": False}, False)])
+def test_the_cpu_products_take_8_bit_activations_unless_told_otherwise(flags, int8):
+    from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
+
+    loaded, _ = build_engine("smollm2:135m", EngineOptions(ctx_len=512, **flags))
+    assert loaded.model.backend.int8_products is int8

@@ -14,17 +14,20 @@ from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # runtime.backends.DTYPES, without torch
 
-DTYPE_HELP = ("auto (default): bfloat16 on a GPU, float32 on the CPU. On the CPU, float32 is "
-              "kiln's CPU kernels on the GGUF's own blocks (logits match transformers, a "
-              "request's bits do not depend on its batch) and bfloat16 the linear layers in "
-              "bf16 through oneDNN (a CPU with AMX or AVX-512-BF16; not bit-exact). On CUDA: "
-              "weights, KV cache and attention in that dtype (float16 on CUDA only)")
+DTYPE_HELP = ("auto (default): bfloat16 on a GPU; on the CPU, kiln's CPU kernels on the GGUF's "
+              "own blocks with the linear layers on 8-bit activations (--int8-activations). "
+              "float32 on the CPU: the same kernels with fp32 products (logits match "
+              "transformers'); bfloat16 the linear layers in bf16 through oneDNN (a CPU with "
+              "AMX or AVX-512-BF16; not bit-exact). On CUDA: weights, KV cache and attention in "
+              "that dtype (float16 on CUDA only)")
 
 
-INT8_HELP = ("CPU: the linear layers multiply 8-bit integers (each run of 32 inputs rounded "
-             "to 8 bits, as llama.cpp does; VNNI dot products on the GGUF's own quants): "
-             "faster at one stream, logits no longer within fp32 rounding of transformers' "
-             "(bench/README.md gives the measured cost). Bits still do not depend on the batch")
+INT8_HELP = ("CPU: the linear layers multiply 8-bit integers (each run of 16 inputs rounded "
+             "to 8 bits; VNNI dot products on the GGUF's own quants), as llama.cpp does with "
+             "runs of 32: faster, logits within that rounding of fp32 (closer than "
+             "llama.cpp's; bench/README.md). A request's bits still do not depend on its "
+             "batch. Default: on with --dtype auto; --no-int8-activations or --dtype float32 "
+             "for fp32 products")
 
 
 def _dtype_refusal(args) -> str | None:
@@ -195,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None)
     run.add_argument("--ctx-len", type=int, default=None)
     run.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
-    run.add_argument("--int8-activations", action="store_true", help=INT8_HELP)
+    run.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, help=INT8_HELP)
     add_speculative_flags(run)
     run.set_defaults(func=cmd_run)
 
@@ -221,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "or greedy request gives the same bits alone, batched, or from "
                             "the prefix cache by default")
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
-    serve.add_argument("--int8-activations", action="store_true", help=INT8_HELP)
+    serve.add_argument("--int8-activations", action=argparse.BooleanOptionalAction,
+                       help=INT8_HELP)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA: the fraction of the GPU's memory kiln may use; the KV cache "
                             "gets what the weights and a step's activations leave of it "

@@ -32,7 +32,9 @@ class EngineOptions:
     threads: int | None = None  # CPU kernels' threads; None: one per core (a cluster
     # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
     speculative: SpeculativeConfig | None = None  # --speculative: drafting; None: off
-    int8_activations: bool = False  # CPU: products on 8-bit activations (runtime/backends/cpu)
+    # CPU: the products on 8-bit activations (runtime/backends/cpu/csrc/linear_i8.c); None:
+    # with dtype "auto" (fp32 products with an explicit float32)
+    int8_activations: bool | None = None
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -42,8 +44,11 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, resolve_dtype(options.dtype, cuda))
+    int8 = options.int8_activations
+    if int8 is None:
+        int8 = not cuda and options.dtype == "auto"
     loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype,
-                        threads=options.threads, int8_activations=options.int8_activations)
+                        threads=options.threads, int8_activations=int8)
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,

@@ -103,6 +103,7 @@ class CpuBackend:
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products, self.int8_products = bf16_products, int8_products
+        self.name = "cpu, 8-bit activations" if int8_products else "cpu"
         # The kernels bring their own pool; torch's ops stay on the caller's thread, except
         # oneDNN's bf16 products, which run on torch's own threads. Process-wide, so it is
         # set by the thread that steps this model (ModelRunner), not here: a model loading
