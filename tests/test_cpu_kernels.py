@@ -236,6 +236,13 @@ def test_rope_matches_rotate_half(be):
 NB, BS = 200, 16
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["kv-fp32", "kv-fp16"])
+def kv_be(request):
+    """The backend with each KV cache dtype: fp16 caches hold K/V rounded to fp16, which the
+    kernel reads back exactly, so the oracle is the reference on the rounded K/V."""
+    return CpuBackend(kv_fp16=request.param)
+
+
 def _attention_case(be, seqs, H, KVH, D, seed=0):
     """seqs: (seq_len, query_len) each. K/V for every position are written through the
     backend's store and also into the reference's layout; blocks are scrambled."""
@@ -251,9 +258,10 @@ def _attention_case(be, seqs, H, KVH, D, seed=0):
         at += nb
         k, v = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
         slots = torch.tensor([int(tables[i, p // BS]) * BS + p % BS for p in range(L)])
-        ref_k.view(-1, KVH, D)[slots], ref_v.view(-1, KVH, D)[slots] = k, v
+        stored = (k.half().float(), v.half().float()) if be.kv_fp16 else (k, v)
+        ref_k.view(-1, KVH, D)[slots], ref_v.view(-1, KVH, D)[slots] = stored
         be.lib.kiln_store_kv(k.data_ptr(), KVH * D, v.data_ptr(), KVH * D, slots.data_ptr(), L,
-                             KVH, D, kc.data_ptr(), vc.data_ptr())
+                             KVH, D, kc.data_ptr(), vc.data_ptr(), be.kv_fp16)
         qs.append(qs[-1] + ql)
     q = torch.randn(qs[-1], H, D, generator=g)
     return q, (kc, vc), (ref_k, ref_v), tables, torch.tensor([L for L, _ in seqs],
@@ -269,7 +277,7 @@ def _attend(be, q, cache, tables, seq_lens, qs, window=0):
                           tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
                           query_start_loc.data_ptr(), len(qs) - 1, H,
                           cache[0].shape[1], D, D ** -0.5, window, out.data_ptr(), H * D, D,
-                          be.threads)
+                          be.kv_fp16, be.threads)
     return out.view(q.shape)
 
 
@@ -280,22 +288,22 @@ MIXED = [(337, 37), (129, 1), (17, 1), (50, 50), (1, 1), (256, 1)]
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (14, 2, 64)],
                          ids=["smollm2", "gemma3", "qwen2.5"])
 @pytest.mark.parametrize("window", [0, 24, 100])
-def test_attention_matches_the_reference_on_a_mixed_batch(be, heads, window):
+def test_attention_matches_the_reference_on_a_mixed_batch(kv_be, heads, window):
     H, KVH, D = heads
-    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(be, MIXED, H, KVH, D)
-    got = _attend(be, q, cache, tables, seq_lens, qs, window)
+    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(kv_be, MIXED, H, KVH, D)
+    got = _attend(kv_be, q, cache, tables, seq_lens, qs, window)
     ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
                               D ** -0.5, sliding_window=window)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 24])
-def test_attention_rows_do_not_depend_on_chunking_or_neighbours(be, window):
-    q, cache, _, tables, seq_lens, qs = _attention_case(be, MIXED, 9, 3, 64)
-    full = _attend(be, q, cache, tables, seq_lens, qs, window)
+def test_attention_rows_do_not_depend_on_chunking_or_neighbours(kv_be, window):
+    q, cache, _, tables, seq_lens, qs = _attention_case(kv_be, MIXED, 9, 3, 64)
+    full = _attend(kv_be, q, cache, tables, seq_lens, qs, window)
 
     def one(rows, table, seq_len):
-        return _attend(be, q[rows].contiguous(), cache, table[None].contiguous(),
+        return _attend(kv_be, q[rows].contiguous(), cache, table[None].contiguous(),
                        torch.tensor([seq_len], dtype=torch.int32), [0, rows.stop - rows.start],
                        window)
 
@@ -310,11 +318,13 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(be, window):
         assert torch.equal(one(slice(39 + pos, 40 + pos), tables[3], pos + 1)[0], full[39 + pos])
 
 
-def test_backend_attention_stores_through_the_slot_mapping(be):
+def test_backend_attention_stores_through_the_slot_mapping(kv_be):
     """The backend's attention() writes this step's K/V where the slot mapping says (-1:
-    nowhere) and then reads them back."""
+    nowhere), rounded to the cache's dtype, and then reads them back."""
+    be = kv_be
     H, KVH, D = 4, 2, 64
     kc, vc = be.kv_cache(8, BS, KVH, D)
+    assert kc.dtype == vc.dtype == (torch.float16 if be.kv_fp16 else torch.float32)
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(3, (H + 2 * KVH) * D, generator=g)
     q = qkv[:, :H * D].view(3, H, D)
@@ -325,11 +335,11 @@ def test_backend_attention_stores_through_the_slot_mapping(be):
     meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
                              torch.tensor([3], dtype=torch.int32), table, slots, 3, 3)
     out = be.attention(q, k, v, (kc, vc), meta, D ** -0.5, 0)
-    assert torch.equal(kc[5, :, :, :3].permute(2, 0, 1), k)
-    assert torch.equal(vc[5, :, :3].permute(1, 0, 2), v)
+    assert torch.equal(kc[5, :, :, :3].permute(2, 0, 1), k.to(kc.dtype))
+    assert torch.equal(vc[5, :, :3].permute(1, 0, 2), v.to(vc.dtype))
     assert kc[2].abs().sum() == 0 and vc[:5].abs().sum() == 0
     ref_k, ref_v = torch.zeros(8, BS, KVH, D), torch.zeros(8, BS, KVH, D)
-    ref_k[5, :3], ref_v[5, :3] = k, v
+    ref_k[5, :3], ref_v[5, :3] = k.to(kc.dtype).float(), v.to(vc.dtype).float()
     ref = paged_attention_ref(q, ref_k, ref_v, table, meta.seq_lens, meta.query_start_loc,
                               D ** -0.5)
     torch.testing.assert_close(out.view(3, H, D), ref, atol=2e-6, rtol=1e-5)

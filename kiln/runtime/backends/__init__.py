@@ -67,10 +67,10 @@ def dtype_refusal(name: str, cuda: bool) -> str | None:
 
 def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
                  use_triton: bool = False, threads: int | None = None,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, kv_fp16: bool = False):
     """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU, or
-    products on 8-bit activations); otherwise torch on dense weights. threads: the CPU
-    kernels' (default: one per core)."""
+    products on 8-bit activations; an fp32 or fp16 KV cache); otherwise torch on dense
+    weights. threads: the CPU kernels' (default: one per core)."""
     if torch.device(device).type == "cpu" and not use_triton:
         from kiln.runtime.backends.cpu import library
 
@@ -79,7 +79,7 @@ def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
             from kiln.runtime.backends.cpu.backend import CpuBackend
 
             return CpuBackend(bf16_products=dtype == torch.bfloat16, threads=threads,
-                              int8_products=int8_activations)
+                              int8_products=int8_activations, kv_fp16=kv_fp16)
         log.warning("[kiln]  CPU kernels unavailable, using torch (slower, and a request's "
                     "bits may follow its batch): %s", reason)
     from kiln.runtime.backends.dense import DenseBackend

@@ -33,7 +33,8 @@ class EngineOptions:
     # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
     speculative: SpeculativeConfig | None = None  # --speculative: drafting; None: off
     # CPU: the products on 8-bit activations (runtime/backends/cpu/csrc/linear_i8.c); None:
-    # with dtype "auto" (fp32 products with an explicit float32)
+    # with dtype "auto" (fp32 products with an explicit float32). With "auto" the CPU's KV
+    # cache is fp16 too.
     int8_activations: bool | None = None
 
 
@@ -47,15 +48,17 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
     int8 = options.int8_activations
     if int8 is None:
         int8 = not cuda and options.dtype == "auto"
+    kv_fp16 = not cuda and options.dtype == "auto"  # llama.cpp's default KV cache type too
     loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype,
-                        threads=options.threads, int8_activations=int8)
+                        threads=options.threads, int8_activations=int8, kv_fp16=kv_fp16)
+    kv_itemsize = 2 if kv_fp16 else dtype.itemsize
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
         max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
         use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
         speculative=options.speculative,
-        kv_bytes_per_token=kv_bytes_per_token(loaded.config, dtype.itemsize))
+        kv_bytes_per_token=kv_bytes_per_token(loaded.config, kv_itemsize))
     if cuda and options.kv_cache_tokens is None:
         free, total = torch.cuda.mem_get_info()
         try:

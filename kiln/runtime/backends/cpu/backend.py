@@ -97,13 +97,16 @@ class CpuBackend:
     dtype = torch.float32
 
     def __init__(self, bf16_products: bool = False, threads: int | None = None,
-                 extra_flags: tuple[str, ...] = (), int8_products: bool = False):
+                 extra_flags: tuple[str, ...] = (), int8_products: bool = False,
+                 kv_fp16: bool = False):
         """bf16_products: the linear layers in oneDNN's packed bf16 (`--dtype bfloat16`, a
         throughput mode that is not bit-exact); everything else stays on the kernels."""
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products, self.int8_products = bf16_products, int8_products
-        self.name = "cpu, 8-bit activations" if int8_products else "cpu"
+        self.kv_fp16 = kv_fp16
+        self.name = "cpu" + (", 8-bit activations" if int8_products else "") + \
+            (", fp16 KV cache" if kv_fp16 else "")
         # The kernels bring their own pool; torch's ops stay on the caller's thread, except
         # oneDNN's bf16 products, which run on torch's own threads. Process-wide, so it is
         # set by the thread that steps this model (ModelRunner), not here: a model loading
@@ -145,8 +148,9 @@ class CpuBackend:
         """(key, value) of one layer: K transposed per block, [num_blocks, kv_heads, head_dim,
         block_size], and V as [num_blocks, kv_heads, block_size, head_dim] (csrc/attention.c)."""
         assert block_size == 16, "the kernels read a block of 16 keys as one vector"
-        return (torch.zeros((num_blocks, num_kv_heads, head_dim, block_size)),
-                torch.zeros((num_blocks, num_kv_heads, block_size, head_dim)))
+        dtype = torch.float16 if self.kv_fp16 else torch.float32
+        return (torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype),
+                torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype))
 
     # -- layer operations ------------------------------------------------------------------
 
@@ -204,12 +208,12 @@ class CpuBackend:
         assert q.stride(1) == k.stride(1) == v.stride(1) == D and v.stride(2) == 1
         self.lib.kiln_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                meta.slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
-                               value_cache.data_ptr())
+                               value_cache.data_ptr(), self.kv_fp16)
         out = torch.empty((T, H * D), dtype=torch.float32)
         bt = meta.block_tables
         self.lib.kiln_attention(q.data_ptr(), q.stride(0), D, key_cache.data_ptr(),
                                 value_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
                                 meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
                                 bt.shape[0], H, KVH, D, scale, sliding_window, out.data_ptr(),
-                                H * D, D, self.threads)
+                                H * D, D, self.kv_fp16, self.threads)
         return out

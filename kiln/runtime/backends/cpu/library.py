@@ -34,8 +34,8 @@ SIGNATURES = {
     "kiln_rope": ([_P, _I, _I, _I, _I, _I, _P, _P, _P, _INT], None),
     "kiln_act_mul": ([_P, _I, _I, _I, _INT, _P, _I, _INT], None),
     "kiln_attention": ([_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I,
-                        _INT], None),
-    "kiln_store_kv": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _P], None),
+                        _INT, _INT], None),
+    "kiln_store_kv": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _P, _INT], None),
 }
 
 

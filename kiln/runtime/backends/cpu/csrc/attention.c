@@ -38,21 +38,27 @@ typedef struct {
     int64_t q_tok, q_head; /* q[t * q_tok + h * q_head + d] */
     float *out;
     int64_t o_tok, o_head;
-    const float *kc, *vc;
+    const char *kc, *vc; /* fp32, or fp16 where half */
     int64_t kvh_n, D, G;
     float scale;
     int64_t window;
+    int half;
 } attn_args;
 
+/* 16 cached values as fp32: fp16 ones convert exactly */
+INLINE vf kv_load(const char *p, int64_t i, const int half) {
+    return half ? vf_load_f16((const uint16_t *)p + i) : vf_load((const float *)p + i);
+}
+
 /* s[i][0..TK) = q_i . k over d = 0, 1, ..., D - 1, for rq rows and the tile's blocks */
-INLINE void scores(const float *const *qr, const float *const *kt, int64_t D, float *s,
-                   const int rq) {
+INLINE void scores(const float *const *qr, const char *const *kt, int64_t D, float *s,
+                   const int rq, const int half) {
     vf acc[RQ][TB];
     for (int i = 0; i < rq; i++)
         for (int u = 0; u < TB; u++) acc[i][u] = vf_zero();
     for (int64_t d = 0; d < D; d++) {
         vf kv[TB];
-        for (int u = 0; u < TB; u++) kv[u] = vf_load(kt[u] + d * BS);
+        for (int u = 0; u < TB; u++) kv[u] = kv_load(kt[u], d * BS, half);
         for (int i = 0; i < rq; i++) {
             const vf qb = vf_set1(qr[i][d]);
             for (int u = 0; u < TB; u++) acc[i][u] = vf_fma(qb, kv[u], acc[i][u]);
@@ -64,16 +70,16 @@ INLINE void scores(const float *const *qr, const float *const *kt, int64_t D, fl
 
 /* o_i[c0 .. c0 + cv) = alpha_i * o_i + sum over the tile's keys j, in order, of p_i[j] v_j */
 INLINE void values(float *o, int64_t D, const float *p, const float *alpha,
-                   const float *const *vb, int64_t c0, const int rp, const int cv) {
+                   const char *const *vb, int64_t c0, const int rp, const int cv, const int half) {
     vf acc[4][16];
     for (int i = 0; i < rp; i++) {
         const vf a = vf_set1(alpha[i]);
         for (int c = 0; c < cv; c++) acc[i][c] = vf_mul(vf_load(o + i * D + (c0 + c) * 16), a);
     }
     for (int j = 0; j < TK; j++) {
-        const float *vr = vb[j / BS] + (j % BS) * D + c0 * 16;
+        const int64_t at = (j % BS) * D + c0 * 16;
         for (int c = 0; c < cv; c++) {
-            const vf v = vf_load(vr + c * 16);
+            const vf v = kv_load(vb[j / BS], at + c * 16, half);
             for (int i = 0; i < rp; i++) acc[i][c] = vf_fma(vf_set1(p[i * TK + j]), v, acc[i][c]);
         }
     }
@@ -81,21 +87,19 @@ INLINE void values(float *o, int64_t D, const float *p, const float *alpha,
         for (int c = 0; c < cv; c++) vf_store(o + i * D + (c0 + c) * 16, acc[i][c]);
 }
 
-static void scores_any(const float *const *qr, const float *const *kt, int64_t D, float *s,
-                       int rq) {
-    switch (rq) {
-    case 1: scores(qr, kt, D, s, 1); break;
-    case 2: scores(qr, kt, D, s, 2); break;
-    case 3: scores(qr, kt, D, s, 3); break;
-    case 4: scores(qr, kt, D, s, 4); break;
-    case 5: scores(qr, kt, D, s, 5); break;
-    default: scores(qr, kt, D, s, 6); break;
+static void scores_any(const float *const *qr, const char *const *kt, int64_t D, float *s,
+                       int rq, int half) {
+    switch (rq * 2 + half) {
+#define S(r) case 2 * r: scores(qr, kt, D, s, r, 0); break; \
+             case 2 * r + 1: scores(qr, kt, D, s, r, 1); break;
+    S(1) S(2) S(3) S(4) S(5) S(6)
+#undef S
     }
 }
 
 /* rows [r0, r0 + n) of the unit through `values`, in register tiles of up to 16 vectors */
 static void values_rows(float *acc, int64_t D, const float *ps, const float *alpha,
-                        const float *const *vb, int64_t r0, int64_t n) {
+                        const char *const *vb, int64_t r0, int64_t n, int half) {
     const int64_t nv = D / 16;
     const int cv = nv < 16 ? (int)nv : 16;
     const int rp = 16 / cv < 4 ? 16 / cv : 4;
@@ -104,12 +108,16 @@ static void values_rows(float *acc, int64_t D, const float *ps, const float *alp
         for (int64_t c0 = 0; c0 < nv; c0 += cv) {
             float *o = acc + r * D;
             const float *p = ps + r * TK, *a = alpha + r;
-#define V(rp_, cv_) if (k == rp_ && cv == cv_) { values(o, D, p, a, vb, c0, rp_, cv_); continue; }
+#define V(rp_, cv_) if (k == rp_ && cv == cv_) { \
+                if (half) values(o, D, p, a, vb, c0, rp_, cv_, 1); \
+                else values(o, D, p, a, vb, c0, rp_, cv_, 0); \
+                continue; \
+            }
             V(4, 4) V(3, 4) V(2, 4) V(1, 4) V(2, 8) V(1, 8) V(1, 16)
 #undef V
             for (int i = 0; i < k; i++)  /* other head sizes: one vector at a time */
                 for (int64_t c = c0; c < nv && c < c0 + cv; c++)
-                    values(o + i * D, D, p + i * TK, a + i, vb, c, 1, 1);
+                    values(o + i * D, D, p + i * TK, a + i, vb, c, 1, 1, half);
         }
     }
 }
@@ -130,25 +138,26 @@ static void unit(const attn_args *a, const int32_t *bt, int64_t L, int64_t kvh, 
     const int64_t lo = a->window > 0 && p0 + 1 - a->window > 0 ? p0 + 1 - a->window : 0;
     const vf lane = vf_from_i(vi_lanes());
     for (int64_t t = lo / TK; t <= (p1 - 1) / TK; t++) {
-        const float *kt[TB], *vb[TB];
+        const char *kt[TB], *vb[TB];
+        const int64_t esz = a->half ? 2 : 4;
         for (int u = 0; u < TB; u++) {
             /* a block past the sequence's end holds no key any row sees: any block will do */
             const int64_t b = t * TB + u, id = bt[b < nblocks ? b : 0];
-            kt[u] = a->kc + (id * a->kvh_n + kvh) * D * BS;
-            vb[u] = a->vc + (id * a->kvh_n + kvh) * BS * D;
+            kt[u] = a->kc + (id * a->kvh_n + kvh) * D * BS * esz;
+            vb[u] = a->vc + (id * a->kvh_n + kvh) * BS * D * esz;
         }
         if (t < (p1 - 1) / TK)  /* the next tile's blocks: paged, so no stride to follow */
             for (int u = 0; u < TB; u++) {
                 const int64_t b = (t + 1) * TB + u, id = bt[b < nblocks ? b : 0];
-                const char *kn = (const char *)(a->kc + (id * a->kvh_n + kvh) * D * BS);
-                const char *vn = (const char *)(a->vc + (id * a->kvh_n + kvh) * BS * D);
-                for (int64_t off = 0; off < (int64_t)sizeof(float) * D * BS; off += 64) {
+                const char *kn = a->kc + (id * a->kvh_n + kvh) * D * BS * esz;
+                const char *vn = a->vc + (id * a->kvh_n + kvh) * BS * D * esz;
+                for (int64_t off = 0; off < esz * D * BS; off += 64) {
                     __builtin_prefetch(kn + off);
                     __builtin_prefetch(vn + off);
                 }
             }
         for (int64_t r0 = 0; r0 < R; r0 += RQ)
-            scores_any(qr + r0, kt, D, s + r0 * TK, (int)(R - r0 < RQ ? R - r0 : RQ));
+            scores_any(qr + r0, kt, D, s + r0 * TK, (int)(R - r0 < RQ ? R - r0 : RQ), a->half);
         for (int64_t r = 0; r < R; r++) {
             const int64_t pos = p0 + r / G;
             const vf lo_v = vf_set1(a->window > 0 ? (float)(pos - a->window) : -1.0f);
@@ -173,7 +182,7 @@ static void unit(const attn_args *a, const int32_t *bt, int64_t L, int64_t kvh, 
             l[r] = l[r] * alpha[r] + vf_sum(vf_add(vf_add(p[0], p[1]), vf_add(p[2], p[3])));
             m[r] = m_new;
         }
-        values_rows(acc, D, s, alpha, vb, 0, R);
+        values_rows(acc, D, s, alpha, vb, 0, R, a->half);
     }
     for (int64_t r = 0; r < R; r++) {
         float *dst = a->out + (tok0 + r / G) * a->o_tok + (kvh * G + r % G) * a->o_head;
@@ -216,11 +225,13 @@ static void attention_task(void *ctx, int tid, int nt) {
     free(scratch);
 }
 
-void kiln_attention(const float *q, int64_t q_tok, int64_t q_head, const float *key_cache,
-                    const float *value_cache, const int32_t *block_tables, int64_t bt_stride,
+/* key_cache, value_cache: fp32, or fp16 where half (the caches' layout is the same) */
+void kiln_attention(const float *q, int64_t q_tok, int64_t q_head, const void *key_cache,
+                    const void *value_cache, const int32_t *block_tables, int64_t bt_stride,
                     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                    int64_t window, float *out, int64_t o_tok, int64_t o_head, int nthreads) {
+                    int64_t window, float *out, int64_t o_tok, int64_t o_head, int half,
+                    int nthreads) {
     /* units: per sequence, ceil(query_len / QT) position tiles x kv heads, taken in order */
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     int64_t total = 0;
@@ -231,26 +242,35 @@ void kiln_attention(const float *q, int64_t q_tok, int64_t q_head, const float *
     }
     first[num_seqs] = total;
     attn_batch b = {{q, q_tok, q_head, out, o_tok, o_head, key_cache, value_cache, num_kv_heads,
-                     head_dim, num_heads / num_kv_heads, scale, window},
+                     head_dim, num_heads / num_kv_heads, scale, window, half},
                     block_tables, seq_lens, query_start_loc, bt_stride, num_seqs, total, first, 0};
     kiln_parallel(attention_task, &b, total > 1 ? nthreads : 1);
     free(first);
 }
 
-/* key, value [T, KVH, D] (token strides k_tok, v_tok) -> their slots; slot -1: skipped */
+/* key, value [T, KVH, D] (token strides k_tok, v_tok) -> their slots; slot -1: skipped.
+ * An fp16 cache (half) takes each value rounded to nearest (even). */
 void kiln_store_kv(const float *key, int64_t k_tok, const float *value, int64_t v_tok,
                    const int64_t *slot_mapping, int64_t T, int64_t kvh_n, int64_t D,
-                   float *key_cache, float *value_cache) {
+                   void *key_cache, void *value_cache, int half) {
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         const int64_t b = slot / BS, off = slot % BS;
         for (int64_t h = 0; h < kvh_n; h++) {
             const float *k = key + t * k_tok + h * D, *v = value + t * v_tok + h * D;
-            float *kt = key_cache + (b * kvh_n + h) * D * BS + off;
-            float *vr = value_cache + ((b * kvh_n + h) * BS + off) * D;
-            for (int64_t d = 0; d < D; d++) kt[d * BS] = k[d];
-            memcpy(vr, v, sizeof(float) * D);
+            const int64_t kt = (b * kvh_n + h) * D * BS + off, vr = ((b * kvh_n + h) * BS + off) * D;
+            if (half) {
+                uint16_t *kc = key_cache, *vc = value_cache;
+                for (int64_t d = 0; d < D; d++) {
+                    kc[kt + d * BS] = _cvtss_sh(k[d], _MM_FROUND_TO_NEAREST_INT);
+                    vc[vr + d] = _cvtss_sh(v[d], _MM_FROUND_TO_NEAREST_INT);
+                }
+            } else {
+                float *kc = key_cache, *vc = value_cache;
+                for (int64_t d = 0; d < D; d++) kc[kt + d * BS] = k[d];
+                memcpy(vc + vr, v, sizeof(float) * D);
+            }
         }
     }
 }
