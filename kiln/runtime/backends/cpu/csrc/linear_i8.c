@@ -243,6 +243,7 @@ int kiln_i8_type(int type) {
  * the scratch cannot be allocated. */
 int kiln_linear_i8(const float *x, int64_t M, int64_t K, int64_t ldx, const kiln_part *parts,
                    int64_t nparts, const float *bias, float *y, int64_t ldy, int nthreads) {
+    if (M == 0) return 0;
     const int64_t nr = K / 16;
     char *scratch = malloc(M * K + sizeof(float) * M * nr * 2);
     if (!scratch) return -1;
