@@ -1,17 +1,19 @@
-"""How close kiln's 8-bit-activation products and llama.cpp are to fp32 on the same GGUF.
+"""How close kiln's default CPU path and llama.cpp are to fp32 on the same GGUF.
 
     .venv/bin/python bench/cpu_accuracy.py --model smollm2:135m --prompts 8 --tokens 256
 
 llama-server (found as bench/compare.sh finds it) reads each prompt and continues it
 greedily, giving its top-20 logprobs at each generated token (`n_probs`, a softmax of the
 raw logits). kiln then reads the same token sequences (prompt and llama.cpp's continuation)
-twice, with fp32 products (the reference: the GGUF's weights dequantized exactly, fp32
-arithmetic, within 1e-4 of transformers' logits in tests/test_families.py) and with 8-bit
-activations, keeping the full distribution at every continuation position. Per method:
+twice, with `--dtype float32` (the reference: the GGUF's weights dequantized exactly, fp32
+arithmetic and KV cache, within 1e-4 of transformers' logits in tests/test_families.py) and
+as `--dtype auto` runs (8-bit activations, fp16 KV cache), keeping the full distribution at
+every continuation position. Per method:
 - top-1 agreement with the reference's argmax;
 - KL(reference || method) truncated to the reference's top 20 tokens, a token missing from
   the method's top 20 taken at its 20th logprob (so llama.cpp's figure is a lower bound on
-  its true one); the same rule for kiln's, whose full KL is printed beside it.
+  its true one); the same rule for kiln's, whose full KL is printed beside it; mean and
+  median over the positions (a few positions can dominate a mean).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -138,14 +141,14 @@ def main() -> None:
     args = ap.parse_args()
     threads = os.cpu_count() or 1
     fp32 = load_model(args.model, backend=CpuBackend())
-    int8 = load_model(args.model, backend=CpuBackend(int8_products=True))
+    int8 = load_model(args.model, backend=CpuBackend(int8_products=True, kv_fp16=True))
     prompts = [fp32.chat_prompt_ids([{"role": "user", "content": p}])
                for p in PROMPTS[:args.prompts]]
     llama = llama_continuations(str(fp32.path), prompts, args.tokens, threads)
     seqs = [p + gen for p, (gen, _) in zip(prompts, llama)]
     ref, low = kiln_logprobs(fp32, seqs), kiln_logprobs(int8, seqs)
     n = agree8 = agreel = 0
-    kl8 = kl8_full = kll = 0.0
+    kl8, kl8_full, kll = [], [], []
     for p, (gen, tops), r, q in zip(prompts, llama, ref, low):
         r, q = r[len(p) - 1:], q[len(p) - 1:]  # the positions that predict the continuation
         for i, top in enumerate(tops):
@@ -153,15 +156,18 @@ def main() -> None:
             n += 1
             agree8 += int(q[i].argmax()) == best
             agreel += gen[i] == best
-            kll += truncated_kl(r[i], top)
+            kll.append(truncated_kl(r[i], top))
             qv, qi = q[i].topk(TOP)
-            kl8 += truncated_kl(r[i], dict(zip(qi.tolist(), qv.tolist())))
-            kl8_full += float((r[i].exp() * (r[i] - q[i])).sum())
+            kl8.append(truncated_kl(r[i], dict(zip(qi.tolist(), qv.tolist()))))
+            kl8_full.append(float((r[i].exp() * (r[i] - q[i])).sum()))
     print(f"{args.model}: {n} positions ({len(prompts)} prompts x {args.tokens} tokens of "
           f"llama.cpp's greedy continuation), reference kiln fp32 products")
-    print("method                  top-1 agreement  KL top-20 (mean)  KL full (mean)")
-    print(f"kiln 8-bit activations  {agree8 / n:15.4f}  {kl8 / n:16.6f}  {kl8_full / n:14.6f}")
-    print(f"llama.cpp (llama-server) {agreel / n:14.4f}  {kll / n:16.6f}  {'-':>14}")
+    def stats(v: list[float]) -> str:
+        return f"{sum(v) / n:9.6f} {statistics.median(v):9.6f}"
+
+    print("method                    top-1  KL top-20 mean, median  KL full mean, median")
+    print(f"kiln --dtype auto         {agree8 / n:.4f}  {stats(kl8):>22}  {stats(kl8_full):>20}")
+    print(f"llama.cpp (llama-server)  {agreel / n:.4f}  {stats(kll):>22}  {'-':>20}")
 
 
 if __name__ == "__main__":

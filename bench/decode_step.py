@@ -8,23 +8,25 @@ times `steps` decode steps of the whole batch. `--prefill N` times reading one N
 prompt cold, in the engine's chunks, to its first token. The model loads as `kiln serve`
 loads it (`--dtype`). Compare two trees by running this file from each in the same session,
 alternating: the machine is shared, so only ratios mean anything.
+
+`--breakdown` also prints where each timed step went, in ms per step: every layer's four
+products, the norms, RoPE, the gated activation and attention (timed around the backend's
+calls, so Python's own share is in "rest of forward"), the forward, and the whole step
+(LM head, sampler and scheduler being the step less the forward).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from kiln.runtime.engine.config import EngineConfig  # noqa: E402
+from kiln.runtime.engine.bootstrap import EngineOptions, build_engine  # noqa: E402
 from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
-from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from kiln.runtime.models.loader import load_model  # noqa: E402
 from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -36,17 +38,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
     ap.add_argument("--prefill", type=int, default=0, help="also time a cold N-token prefill")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--breakdown", action="store_true", help="time the step's parts too")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="as kiln serve's (auto on the CPU: 8-bit activations, fp16 KV cache)")
     args = ap.parse_args()
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
     batches = [int(b) for b in args.batch.split(",") if b]
     kv_tokens = max([*batches, 1]) * (args.context + args.steps + 32) * (args.repeat + 1)
-    config = EngineConfig.build(loaded.ctx_len, loaded.max_prefill_len,
-                                kv_cache_tokens=max(kv_tokens, args.prefill * (args.repeat + 1)
-                                                    + 64),
-                                max_num_seqs=max([*batches, 1]))
-    engine = LLMEngine(loaded, config)
+    loaded, engine = build_engine(args.model, EngineOptions(
+        dtype=args.dtype, kv_cache_tokens=max(kv_tokens, args.prefill * (args.repeat + 1) + 64),
+        max_num_seqs=max([*batches, 1])))
     vocab = loaded.config.vocab_size
+    parts = timers(loaded.model) if args.breakdown else None
     n = 0
     for batch in batches:
         for round_ in range(args.repeat):
@@ -62,6 +64,8 @@ def main() -> None:
                 engine.add_request(r)
             while any(r.num_output_tokens == 0 for r in reqs):  # prefill
                 engine.step()
+            if parts is not None:
+                parts.clear()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
@@ -70,6 +74,12 @@ def main() -> None:
                 engine.step()
             print(f"[decode_step]  batch {batch:3d} round {round_}: {dt * 1e3:8.1f} ms/step, "
                   f"{batch / dt:7.1f} tok/s", flush=True)
+            if parts is not None:
+                ms = {k: v / args.steps * 1e3 for k, v in parts.items()}
+                ms["rest of forward"] = ms["forward"] - sum(
+                    v for k, v in ms.items() if k != "forward")
+                ms["step less forward"] = dt * 1e3 - ms["forward"]
+                print("               " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     for round_ in range(args.repeat if args.prefill else 0):
         n += 1
         prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500 for i in range(args.prefill)]
@@ -83,6 +93,27 @@ def main() -> None:
         dt = time.perf_counter() - t0
         print(f"[decode_step]  prefill {args.prefill} tokens round {round_}: {dt:6.2f} s, "
               f"{args.prefill / dt:7.1f} tok/s", flush=True)
+
+
+def timers(model) -> collections.Counter:
+    """Wrap the model's per-layer calls in timers; the returned counter sums seconds."""
+    seconds: collections.Counter = collections.Counter()
+
+    def timed(fn, key):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            seconds[key] += time.perf_counter() - t
+            return out
+        return call
+
+    model.forward = timed(model.forward, "forward")
+    for name in ("rms_norm", "rms_norm_heads_", "rope_", "act_mul", "attention"):
+        setattr(model.backend, name, timed(getattr(model.backend, name), name))
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, timed(getattr(layer, name), name))
+    return seconds
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ import httpx
 from openai import AsyncOpenAI, OpenAI
 
 MODEL = "smollm2:135m"
+# The fp32 products and KV cache: for modules whose expectations were read off those replies
+# (a greedy answer's length, how often a word repeats); `--dtype auto`'s 8-bit activations
+# answer a little differently (bench/README.md, run K).
+FP32 = ("--dtype", "float32")
 KILN = Path(sys.executable).with_name("kiln")
 START_TIMEOUT_S = 240.0
 

@@ -4,7 +4,7 @@ prompts, and echo with logprobs (lm-eval's loglikelihood request)."""
 
 import openai
 import pytest
-from api_server import MODEL, KilnServer
+from api_server import FP32, MODEL, KilnServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = dict(temperature=0, extra_body={"repetition_penalty": 1.0})
@@ -12,7 +12,8 @@ GREEDY = dict(temperature=0, extra_body={"repetition_penalty": 1.0})
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with KilnServer(tmp_path_factory.mktemp("kiln"), "--per-request-sampling") as s:
+    with KilnServer(tmp_path_factory.mktemp("kiln"), "--per-request-sampling",
+                    *FP32) as s:
         yield s
 
 

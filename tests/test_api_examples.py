@@ -6,7 +6,7 @@ continue_final_message."""
 import os
 
 import pytest
-from api_server import MODEL, KilnServer
+from api_server import FP32, MODEL, KilnServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,7 +21,7 @@ NO_PENALTIES = dict(presence_penalty=0, frequency_penalty=0,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with KilnServer(tmp_path_factory.mktemp("kiln-examples")) as s:
+    with KilnServer(tmp_path_factory.mktemp("kiln-examples"), *FP32) as s:
         yield s
 
 

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from api_server import MODEL, KilnServer
+from api_server import FP32, MODEL, KilnServer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -41,7 +41,7 @@ ASK_WEATHER = "What's the weather in Paris right now?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with KilnServer(tmp_path_factory.mktemp("kiln-responses")) as s:
+    with KilnServer(tmp_path_factory.mktemp("kiln-responses"), *FP32) as s:
         yield s
 
 
