@@ -15,11 +15,11 @@ from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # runtime.backends.DTYPES, without torch
 
 DTYPE_HELP = ("auto (default): bfloat16 on a GPU; on the CPU, kiln's CPU kernels on the GGUF's "
-              "own blocks with the linear layers on 8-bit activations (--int8-activations). "
-              "float32 on the CPU: the same kernels with fp32 products (logits match "
-              "transformers'); bfloat16 the linear layers in bf16 through oneDNN (a CPU with "
-              "AMX or AVX-512-BF16; not bit-exact). On CUDA: weights, KV cache and attention in "
-              "that dtype (float16 on CUDA only)")
+              "own blocks with the linear layers on 8-bit activations (--int8-activations) "
+              "and an fp16 KV cache. float32 on the CPU: the same kernels with fp32 products "
+              "and KV cache (logits match transformers'); bfloat16 the linear layers in bf16 "
+              "through oneDNN (a CPU with AMX or AVX-512-BF16; not bit-exact). On CUDA: "
+              "weights, KV cache and attention in that dtype (float16 on CUDA only)")
 
 
 INT8_HELP = ("CPU: the linear layers multiply 8-bit integers (each run of 16 inputs rounded "
