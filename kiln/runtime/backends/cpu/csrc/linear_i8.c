@@ -73,9 +73,9 @@ INLINE void quads(const int type, const span *sp, int s, vi *q0, vi *q1) {
         *q0 = vi_or(*q0, vi_bytes_where(sp->hi + 8 * s, 16));
         *q1 = vi_or(*q1, vi_bytes_where(sp->hi + 8 * s + 8, 16));
     } else if (type == Q6_K) {
-        *q0 = vi_or(vi_or(*q0, vi_bytes_where(sp->hi + 16 * s, 16)), vi_bytes_where(sp->hi + 16 * s + 8, 32));
-        *q1 = vi_or(vi_or(*q1, vi_bytes_where(sp->hi + 16 * s + 16, 16)),
-                    vi_bytes_where(sp->hi + 16 * s + 24, 32));
+        const uint8_t *hi = sp->hi + 16 * s; /* per quad: the masks of bit 4, then bit 5 */
+        *q0 = vi_or(vi_or(*q0, vi_bytes_where(hi, 16)), vi_bytes_where(hi + 8, 32));
+        *q1 = vi_or(vi_or(*q1, vi_bytes_where(hi + 16, 16)), vi_bytes_where(hi + 24, 32));
     }
 }
 
@@ -154,7 +154,9 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
 static void tile_any(int type, const xq8 *x, int64_t i0, const uint8_t *w, int64_t gb, float *y,
                      int64_t ldy, int mr, int ng, int nlast, int64_t prefetch_groups) {
 #define S(t, m, g) \
-    case (t) * 64 + (m) * 8 + (g) - 9: tile_t(t, x, i0, w, gb, y, ldy, m, g, nlast, prefetch_groups); return;
+    case (t) * 64 + (m) * 8 + (g) - 9: \
+        tile_t(t, x, i0, w, gb, y, ldy, m, g, nlast, prefetch_groups); \
+        return;
 #if MR8 == 4
 #define X(t) S(t, 1, 8) S(t, 2, 6) S(t, 3, 4) S(t, 4, 3) S(t, 1, 3) S(t, 2, 3) S(t, 3, 3) \
              S(t, 1, 1) S(t, 2, 1) S(t, 3, 1) S(t, 4, 1)
@@ -206,9 +208,11 @@ static void part_range(const i8_args *a, const kiln_part *part, int64_t g0, int6
                 tile_any(type, &a->xq, m, part->blocks + g * gb, gb, y + m * ldy + 16 * g, ldy,
                          (int)(m1 - m < MR8 ? m1 - m : MR8), ng, (int)(ncols - (ng - 1) * 16),
                          m == m0 ? (ahead < 0 ? 0 : ahead < ng ? ahead : ng) : 0);
-            if (a->bias)
+            if (a->bias) {
+                const float *bias = a->bias + part->col0;
                 for (int64_t m = m0; m < m1; m++)
-                    for (int64_t n = 16 * g; n < 16 * g + ncols; n++) y[m * ldy + n] += a->bias[part->col0 + n];
+                    for (int64_t n = 16 * g; n < 16 * g + ncols; n++) y[m * ldy + n] += bias[n];
+            }
             g += ng;
         }
     }
