@@ -14,6 +14,9 @@ every continuation position. Per method:
   the method's top 20 taken at its 20th logprob (so llama.cpp's figure is a lower bound on
   its true one); the same rule for kiln's, whose full KL is printed beside it; mean and
   median over the positions (a few positions can dominate a mean).
+llama-server bans end-of-generation tokens under `ignore_eos` (their logprob is -inf in its
+`n_probs`), so they are left out of both figures for every method: positions where the
+reference's top token ends the reply are skipped, and such tokens are left out of the sums.
 """
 
 from __future__ import annotations
@@ -125,12 +128,14 @@ def kiln_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def truncated_kl(ref: torch.Tensor, top: dict[int, float]) -> float:
-    """KL(ref || q) over ref's top-20 tokens, q's logprob from its own top 20 or its 20th."""
-    floor = min(top.values())
+def truncated_kl(ref: torch.Tensor, top: dict[int, float], skip: frozenset[int]) -> float:
+    """KL(ref || q) over ref's top-20 tokens but `skip`, q's logprob from its own top 20 or
+    its 20th."""
+    floor = min(v for v in top.values() if v > -math.inf)
     values, ids = ref.topk(TOP)
     return sum(math.exp(lp) * (lp - top.get(t, floor)) for lp, t in zip(values.tolist(),
-                                                                          ids.tolist()))
+                                                                          ids.tolist())
+               if t not in skip)
 
 
 def main() -> None:
@@ -149,19 +154,23 @@ def main() -> None:
     ref, low = kiln_logprobs(fp32, seqs), kiln_logprobs(int8, seqs)
     n = agree8 = agreel = 0
     kl8, kl8_full, kll = [], [], []
+    eog = fp32.tokenizer.stop_token_ids
     for p, (gen, tops), r, q in zip(prompts, llama, ref, low):
         r, q = r[len(p) - 1:], q[len(p) - 1:]  # the positions that predict the continuation
         for i, top in enumerate(tops):
             best = int(r[i].argmax())
+            if best in eog:
+                continue
             n += 1
             agree8 += int(q[i].argmax()) == best
             agreel += gen[i] == best
-            kll.append(truncated_kl(r[i], top))
+            kll.append(truncated_kl(r[i], top, eog))
             qv, qi = q[i].topk(TOP)
-            kl8.append(truncated_kl(r[i], dict(zip(qi.tolist(), qv.tolist()))))
+            kl8.append(truncated_kl(r[i], dict(zip(qi.tolist(), qv.tolist())), eog))
             kl8_full.append(float((r[i].exp() * (r[i] - q[i])).sum()))
     print(f"{args.model}: {n} positions ({len(prompts)} prompts x {args.tokens} tokens of "
-          f"llama.cpp's greedy continuation), reference kiln fp32 products")
+          f"llama.cpp's greedy continuation, less those where the reply would end), "
+          f"reference kiln --dtype float32")
     def stats(v: list[float]) -> str:
         return f"{sum(v) / n:9.6f} {statistics.median(v):9.6f}"
 
