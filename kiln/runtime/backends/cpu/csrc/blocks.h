@@ -2,6 +2,7 @@
  * per super-block of a group of 16 rows: shared by the fp32 products (linear.c) and the
  * 8-bit ones (linear_i8.c), which differ only in how the quants of a span are ordered. */
 #pragma once
+#include "pool.h"
 #include "simd.h"
 
 /* One GGUF tensor of a layer's weight (Q, K and V, say, stacked along the outputs, may each
@@ -108,3 +109,20 @@ INLINE void span_of(const int type, const uint8_t *g, int64_t k, span *s) {
     }
 }
 
+
+/* Thread tid of nt's share of a product's output groups (16 rows of W each), counted over all
+ * parts together: range(ctx, part, g0, g1) for each part's groups [g0, g1) in the share. */
+typedef void (*part_range_fn)(const void *ctx, const kiln_part *part, int64_t g0, int64_t g1);
+static inline void share_groups(const kiln_part *parts, int64_t nparts, int tid, int nt,
+                                part_range_fn range, const void *ctx) {
+    int64_t total = 0;
+    for (int64_t p = 0; p < nparts; p++) total += (parts[p].rows + 15) / 16;
+    int64_t g0, g1, first = 0;
+    kiln_share(total, tid, nt, &g0, &g1);
+    for (int64_t p = 0; p < nparts; p++) {
+        const int64_t n = (parts[p].rows + 15) / 16;
+        const int64_t lo = g0 > first ? g0 - first : 0, hi = g1 - first < n ? g1 - first : n;
+        if (lo < hi) range(ctx, &parts[p], lo, hi);
+        first += n;
+    }
+}

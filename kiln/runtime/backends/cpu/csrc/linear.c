@@ -272,7 +272,8 @@ typedef struct {
 } linear_args;
 
 /* groups [g0, g1) of one part: its columns of y */
-static void part_range(const linear_args *a, const kiln_part *part, int64_t g0, int64_t g1) {
+static void part_range(const void *ctx, const kiln_part *part, int64_t g0, int64_t g1) {
+    const linear_args *a = ctx;
     const float *x = a->x;
     const int type = (int)part->type;
     const int64_t M = a->M, K = a->K, N = part->rows, ldx = a->ldx, ldy = a->ldy;
@@ -323,16 +324,7 @@ static void part_range(const linear_args *a, const kiln_part *part, int64_t g0, 
 /* The threads share out the groups of all parts together: groups [g0, g1) of the whole. */
 static void linear_task(void *ctx, int tid, int nt) {
     const linear_args *a = ctx;
-    int64_t total = 0;
-    for (int64_t p = 0; p < a->nparts; p++) total += (a->parts[p].rows + 15) / 16;
-    int64_t g0, g1, first = 0;
-    kiln_share(total, tid, nt, &g0, &g1);
-    for (int64_t p = 0; p < a->nparts; p++) {
-        const int64_t n = (a->parts[p].rows + 15) / 16;
-        const int64_t lo = g0 > first ? g0 - first : 0, hi = g1 - first < n ? g1 - first : n;
-        if (lo < hi) part_range(a, &a->parts[p], lo, hi);
-        first += n;
-    }
+    share_groups(a->parts, a->nparts, tid, nt, part_range, a);
 }
 
 /* x [M, K] (row stride ldx) -> y [M, N] (row stride ldy), N the parts' rows together;

@@ -192,7 +192,8 @@ static void quantize_task(void *ctx, int tid, int nt) {
 #define MC8 128 /* rows of x per pass over a range of groups */
 
 /* groups [g0, g1) of one part: its columns of y */
-static void part_range(const i8_args *a, const kiln_part *part, int64_t g0, int64_t g1) {
+static void part_range(const void *ctx, const kiln_part *part, int64_t g0, int64_t g1) {
+    const i8_args *a = ctx;
     const int type = (int)part->type;
     const int64_t M = a->M, N = part->rows, ldy = a->ldy;
     const int64_t gb = kiln_group_bytes(type, a->xq.K);
@@ -220,16 +221,7 @@ static void part_range(const i8_args *a, const kiln_part *part, int64_t g0, int6
 
 static void product_task(void *ctx, int tid, int nt) {
     const i8_args *a = ctx;
-    int64_t total = 0;
-    for (int64_t p = 0; p < a->nparts; p++) total += (a->parts[p].rows + 15) / 16;
-    int64_t g0, g1, first = 0;
-    kiln_share(total, tid, nt, &g0, &g1);
-    for (int64_t p = 0; p < a->nparts; p++) {
-        const int64_t n = (a->parts[p].rows + 15) / 16;
-        const int64_t lo = g0 > first ? g0 - first : 0, hi = g1 - first < n ? g1 - first : n;
-        if (lo < hi) part_range(a, &a->parts[p], lo, hi);
-        first += n;
-    }
+    share_groups(a->parts, a->nparts, tid, nt, part_range, a);
 }
 
 /* Whether the 8-bit products take a GGUF type (the float types stay on linear.c's). */
