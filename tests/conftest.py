@@ -73,3 +73,18 @@ def make_request(engine, request_id: str, prompt, sampling, *, grammar=None,
     return engine.make_request(request_id, EngineRequest(
         prompt, sampling, RequestOptions(**options), grammar=grammar,
         grammar_prefix=grammar_prefix, prefill_leader=prefill_leader))
+
+
+@pytest.fixture(params=["default", 1, 4])
+def rows_per_program(request, monkeypatch):
+    """For the layer kernels' tests: the launchers' own rows (or tokens) a program (one on a
+    GPU, many in the interpreter), one (what a GPU runs, here in the interpreter) and four
+    (tiles the rows only part fill)."""
+    from kiln.kernels import activation as activation_module
+    from kiln.kernels import kv_cache as kv_cache_module
+    from kiln.kernels import rms_norm as rms_norm_module
+
+    if request.param != "default":
+        monkeypatch.setattr(rms_norm_module, "ROWS_PER_PROGRAM", request.param)
+        monkeypatch.setattr(kv_cache_module, "TOKENS_PER_PROGRAM", request.param)
+        monkeypatch.setattr(activation_module, "TOKENS_PER_PROGRAM", request.param)

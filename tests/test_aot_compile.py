@@ -36,7 +36,9 @@ CHECK = textwrap.dedent("""
     import torch
     from kiln.kernels.aot import SHAPES, Recorder
     from kiln.kernels.attention import paged_attention
-    from kiln.kernels.kv_cache import store_kvcache
+    from kiln.kernels.activation import act_mul
+    from kiln.kernels.kv_cache import rope_store_kvcache
+    from kiln.kernels.rms_norm import add_rms_norm, rms_norm
     from kiln.kernels.sampling import SamplingMetadata, sample
     from kiln.kernels.warmup import warmup_launches
 
@@ -61,8 +63,16 @@ CHECK = textwrap.dedent("""
             tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
             lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
             qsl = torch.arange(0, T + 1, query_len, dtype=torch.int32)
+            h = torch.zeros((T, shapes.hidden_size), dtype=dt)
+            w = torch.ones(shapes.hidden_size)
+            rms_norm(h, w, 1e-6)
+            add_rms_norm(h, h.clone(), w, 1e-6, w)
+            act_mul(torch.zeros((T, 2 * shapes.intermediate_size), dtype=dt), "gelu_tanh")
+            angles = torch.zeros((2, D // 2))
             for window in shapes.sliding_windows:
-                store_kvcache(k, v, cache, cache, torch.zeros(T, dtype=torch.int64))
+                rope_store_kvcache(q, k, v, cache, cache, torch.zeros(T, dtype=torch.int64),
+                                   torch.zeros(T, dtype=torch.int64), angles, angles,
+                                   (torch.ones(D), torch.ones(D), 1e-6))
                 paged_attention(q, cache, cache, tables, lens, qsl, 0.0625,
                                 sliding_window=window, max_seq_len=seq_len)
         for B, width, top in [(1, 1, 0), (3, 7, 1), (16, 64, 5), (17, 200, 20), (64, 0, 2)]:

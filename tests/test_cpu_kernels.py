@@ -334,7 +334,9 @@ def test_backend_attention_stores_through_the_slot_mapping(kv_be):
     slots = torch.tensor([5 * 16 + 0, 5 * 16 + 1, 5 * 16 + 2])
     meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
                              torch.tensor([3], dtype=torch.int32), table, slots, 3, 3)
-    out = be.attention(q, k, v, (kc, vc), meta, D ** -0.5, 0)
+    # at position 0 RoPE turns nothing: what is stored is k itself
+    out = be.attention(q, k, v, (kc, vc), meta, torch.zeros(3, dtype=torch.int64),
+                       RopeTable(D, 4, 10000.0, "cpu"), D ** -0.5, 0)
     assert torch.equal(kc[5, :, :, :3].permute(2, 0, 1), k.to(kc.dtype))
     assert torch.equal(vc[5, :, :3].permute(1, 0, 2), v.to(vc.dtype))
     assert kc[2].abs().sum() == 0 and vc[:5].abs().sum() == 0

@@ -15,6 +15,7 @@ import torch
 from paged import PagedSequence
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
+from kiln.kernels import INTERPRET
 from kiln.runtime.backends.cpu.backend import CpuBackend
 from kiln.runtime.backends.dense import DenseBackend
 from kiln.runtime.models.loader import ARCHITECTURES, load_model
@@ -144,10 +145,15 @@ def family(request, smollm2, tmp_path_factory):
     return arch, path, logits, greedy[0, len(PROMPT):].tolist()
 
 
-BACKENDS = {"cpu-kernels": CpuBackend, "dense-torch": lambda: DenseBackend("cpu")}
+# dense-triton: the GPU path's layer kernels (kernels/), in the interpreter on CPU tensors
+BACKENDS = {"cpu-kernels": CpuBackend, "dense-torch": lambda: DenseBackend("cpu"),
+            "dense-triton": lambda: DenseBackend("cpu", use_triton=True)}
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", [
+    b if b != "dense-triton" else pytest.param(b, marks=pytest.mark.skipif(
+        not INTERPRET, reason="Triton on CPU tensors runs in the interpreter only"))
+    for b in BACKENDS])
 def test_logits_at_every_position_match_transformers(family, backend):
     arch, path, ref, _ = family
     gf = open_gguf(path)  # the forward alone: the loader's wiring is the greedy test's

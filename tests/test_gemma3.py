@@ -18,8 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from paged import PagedSequence  # noqa: E402
 from test_tokenizer import CATEGORIES  # noqa: E402
 
+from kiln.kernels import INTERPRET  # noqa: E402
 from kiln.runtime.backends.cpu.backend import CpuBackend  # noqa: E402
 from kiln.runtime.backends.cpu.bf16 import bf16_supported  # noqa: E402
+from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
 from kiln.runtime.models import gemma3  # noqa: E402
 from kiln.runtime.models.decoder import DecoderModel  # noqa: E402
 from kiln.runtime.models.gemma3 import read_config  # noqa: E402
@@ -330,6 +332,22 @@ def test_logits_and_greedy_decode_match_transformers(model, golden, case):
     for step, (token, logprob) in enumerate(greedy):
         assert int(logits.argmax()) == token, f"greedy step {step}"
         assert abs(torch.log_softmax(logits, -1)[token].item() - logprob) < LOGPROB_ATOL
+        logits = seq.feed([token])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors runs in the interpreter only")
+def test_the_gpu_paths_layer_kernels_match_transformers(gf, golden):
+    """The dense backend with the Triton kernels (interpreted): GeGLU, the sandwich norms
+    fused with the residual's add, QK-norm fused with RoPE and the KV store, sliding
+    windows, against transformers' logits and greedy path."""
+    cases, arrays = golden
+    c = cases[0]
+    model = gemma3.build(read_config(gf), gf, DenseBackend("cpu", use_triton=True))
+    seq = PagedSequence(model)
+    logits = seq.feed(c["prompt_ids"])
+    _assert_matches(logits, arrays["logits_0"], "prompt")
+    for step, token in enumerate(c["greedy_ids"][:2]):
+        assert int(logits.argmax()) == token, f"greedy step {step}"
         logits = seq.feed([token])
 
 

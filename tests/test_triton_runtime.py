@@ -105,10 +105,12 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
     assert {4, 2} <= set(buckets), buckets
     assert {k: [t for t, _ in v] for k, v in got.items()} == \
         {k: [t for t, _ in v] for k, v in want.items()}
+    # Not bit for bit: torch's CPU GEMMs round a batch of 4 (the bucket) and one of 3
+    # differently, and the graphs split the KV over the whole context.
     for rid in want:
         torch.testing.assert_close(torch.tensor([lp for _, lp in got[rid]]),
                                    torch.tensor([lp for _, lp in want[rid]]),
-                                   atol=1e-5, rtol=0)
+                                   atol=3e-5, rtol=0)
 
 
 def test_the_triton_sampler_follows_the_grammar_bitmask(engines, smollm2):

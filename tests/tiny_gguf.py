@@ -26,14 +26,15 @@ def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader,
 
 
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndarray],
-               tokenizer_from: str | Path | gguf.GGUFReader,
+               tokenizer_from: str | Path | gguf.GGUFReader | None,
                qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
                name: str | None = None, without: tuple[str, ...] = ()) -> Path:
     """metadata: `{arch}.*` keys without the prefix -> value (ints as uint32, floats as
     float32); tensors in torch's orientation ([out, in]), float32, written as F32 unless
     `qtypes` names a GGUF type for them (quantized by the gguf package). `name`:
     general.name (transformers reads a llama file named "mistral..." as Mistral). `without`:
-    tokenizer fields not to copy (tokenizer.chat_template: a model with no template)."""
+    tokenizer fields not to copy (tokenizer.chat_template: a model with no template). With no
+    tokenizer_from the file has none (a forward alone needs only `vocab_size`, in metadata)."""
     writer = gguf.GGUFWriter(str(path), arch)
     if name:
         writer.add_name(name)
@@ -47,9 +48,10 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, np.ndar
             writer.add_float32(full, value)
         else:
             writer.add_string(full, value)
-    reader = tokenizer_from if isinstance(tokenizer_from, gguf.GGUFReader) \
-        else gguf.GGUFReader(str(tokenizer_from))  # (reading a vocabulary takes seconds)
-    copy_tokenizer(writer, reader, without)
+    if tokenizer_from is not None:
+        reader = tokenizer_from if isinstance(tokenizer_from, gguf.GGUFReader) \
+            else gguf.GGUFReader(str(tokenizer_from))  # (reading a vocabulary takes seconds)
+        copy_tokenizer(writer, reader, without)
     for name, array in tensors.items():
         qtype = (qtypes or {}).get(name, gguf.GGMLQuantizationType.F32)
         array = np.ascontiguousarray(array, dtype=np.float32)

@@ -34,10 +34,11 @@ from kiln.kernels.warmup import KernelShapes, warmup_launches
 
 # The catalogue's shapes plus a Llama-3.2-1B-class model (GQA 4, head_dim 64, 128k vocab).
 SHAPES = {
-    "smollm2:135m": KernelShapes(9, 3, 64, 49152),
-    "gemma3:270m": KernelShapes(4, 1, 256, 262144, (0, 512)),
-    "qwen2.5-coder:0.5b": KernelShapes(14, 2, 64, 151936),
-    "llama-1b": KernelShapes(32, 8, 64, 128256),
+    "smollm2:135m": KernelShapes(9, 3, 64, 49152, 576, 1536, 64),
+    "gemma3:270m": KernelShapes(4, 1, 256, 262144, 640, 2048, 256, "gelu_tanh", qk_norm=True,
+                                sandwich_norms=True, sliding_windows=(0, 512)),
+    "qwen2.5-coder:0.5b": KernelShapes(14, 2, 64, 151936, 896, 4864, 64),
+    "llama-1b": KernelShapes(32, 8, 64, 128256, 2048, 8192, 64),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,7 +1,7 @@
 """Paged attention over the block-table KV cache: prefill chunks and decode in one launch.
 
 Every sequence has `num_computed_tokens` (context) catching up with its `seq_len`; this step
-brings `query_len` new tokens, whose K/V store_kvcache has already written. Query j of a
+brings `query_len` new tokens, whose K/V rope_store_kvcache has already written. Query j of a
 sequence sits at absolute position `context_len + j` and attends causally over the cache.
 
 Sliding window (Gemma 3 / Hugging Face convention, transformers' `sliding_window_overlay`:

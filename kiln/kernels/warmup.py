@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from kiln.kernels import BLOCK_SIZE
+from kiln.kernels.activation import act_mul
 from kiln.kernels.attention import PARTITION_SIZE, paged_attention
-from kiln.kernels.kv_cache import store_kvcache
+from kiln.kernels.kv_cache import rope_store_kvcache
+from kiln.kernels.rms_norm import add_rms_norm, rms_norm
 from kiln.kernels.sampling import SamplingMetadata, sample
 
 
@@ -28,22 +30,46 @@ class KernelShapes:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    rotary_dim: int
+    activation: str = "silu"
+    qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # a norm of each sublayer's output too (Gemma)
     sliding_windows: tuple[int, ...] = (0,)  # the distinct windows of its layers; 0 = none
     block_size: int = BLOCK_SIZE
 
     @staticmethod
-    def of(cfg) -> KernelShapes:
-        """From a ModelConfig."""
+    def of(model) -> KernelShapes:
+        """From a DecoderModel: its config, and the norms its layers hold."""
+        cfg, layer = model.cfg, model.layers[0]
         windows = sorted({cfg.layer_sliding_window(i) for i in range(cfg.num_layers)})
         return KernelShapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
-                            tuple(windows))
+                            cfg.hidden_size, cfg.intermediate_size, cfg.rotary_dim,
+                            cfg.activation, layer.q_norm is not None,
+                            layer.post_attn_norm is not None, tuple(windows))
 
 
 def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torch.dtype,
                     device: torch.device | str) -> list[tuple[str, Callable[[], None]]]:
-    """(name, launch) for every variant: attention (and the KV store) at each window, split
-    and not; the sampler with and without penalties and grammar."""
+    """(name, launch) for every variant: the norms and the gated activation; the KV store
+    (with QK-norm and RoPE) and attention at each window, split and not; the sampler with and
+    without penalties and grammar."""
     H, KVH, D, bs = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size
+    hidden = torch.zeros((1, shapes.hidden_size), dtype=dtype, device=device)
+    norm_weight = torch.ones(shapes.hidden_size, dtype=torch.float32, device=device)
+    gate_up = torch.zeros((1, 2 * shapes.intermediate_size), dtype=dtype, device=device)
+    delta_weight = norm_weight if shapes.sandwich_norms else None
+    launches = [
+        ("rms_norm", lambda: rms_norm(hidden, norm_weight, 1e-6)),
+        ("add_rms_norm", lambda: add_rms_norm(hidden, hidden.clone(), norm_weight, 1e-6,
+                                              delta_weight)),
+        (f"act_mul {shapes.activation}", lambda: act_mul(gate_up, shapes.activation)),
+    ]
+    angles = torch.zeros((2, shapes.rotary_dim // 2), dtype=torch.float32, device=device)
+    head_norm = torch.ones(D, dtype=torch.float32, device=device)
+    qk_norm = (head_norm, head_norm, 1e-6) if shapes.qk_norm else None
+    positions = torch.zeros(1, dtype=torch.int64, device=device)
     seq_len = PARTITION_SIZE + 1  # one key past a partition: the split variant
     num_blocks = -(-seq_len // bs)
     key_cache = torch.zeros((num_blocks, bs, KVH, D), dtype=dtype, device=device)
@@ -61,13 +87,15 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
         seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
 
         def launch():
-            store_kvcache(k, v, key_cache, value_cache, slot_mapping)
+            rope_store_kvcache(q, k, v, key_cache, value_cache, slot_mapping, positions,
+                               angles, angles, qk_norm)
             paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             D ** -0.5, sliding_window=window, max_seq_len=length)
         return launch
 
-    launches = [(f"attention window={w} split={length > PARTITION_SIZE}", attention(w, length))
-                for w in shapes.sliding_windows for length in (1, seq_len)]
+    launches += [(f"attention window={w} split={length > PARTITION_SIZE}",
+                  attention(w, length))
+                 for w in shapes.sliding_windows for length in (1, seq_len)]
 
     B, V = 2, shapes.vocab_size
     logits = torch.zeros((B, V), dtype=logits_dtype, device=device)

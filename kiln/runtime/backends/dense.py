@@ -1,6 +1,8 @@
-"""The dense backend: torch on dequantized weights. On CUDA (and on CPU tensors under
-TRITON_INTERPRET, for the tests) attention and the KV store are kiln's Triton kernels;
-otherwise their torch references, which also serve where the CPU kernels cannot be built.
+"""The dense backend: torch's products on dequantized weights. On CUDA (and on CPU tensors
+under TRITON_INTERPRET, for the tests) everything between the products is kiln's Triton
+kernels: RMSNorm and the residual add fused with it, QK-norm + RoPE + the KV store, the gated
+activation, paged attention; otherwise their torch references, which also serve where the
+CPU kernels cannot be built.
 
 KV cache layout (kernels/__init__.py): [num_blocks, block_size, num_kv_heads, head_dim] for
 keys and values alike.
@@ -12,13 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.activation import act_mul, act_mul_ref
 from kiln.kernels.attention import paged_attention, paged_attention_ref
-from kiln.kernels.kv_cache import store_kvcache, store_kvcache_ref
+from kiln.kernels.kv_cache import rope_store_kvcache, rope_store_kvcache_ref
+from kiln.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.store.gguf_file import WeightSource
-
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 class DenseLinear:
@@ -75,34 +77,33 @@ class DenseBackend:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """In fp32, cast back (Gemma's activations outgrow fp16)."""
-        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+        return (rms_norm if self.use_triton else rms_norm_ref)(x, weight, eps)
 
-    def rms_norm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-        x.copy_(self.rms_norm(x, weight, eps))
-
-    def rope_(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> None:
-        """x: [T, H, D] view, its first rot_dim values rotated in place (rotate_half)."""
-        half = rope.rot_dim // 2
-        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., :half].float(), x[..., half:rope.rot_dim].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x[..., :rope.rot_dim] = rotated.to(x.dtype)
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """h += delta (normalised with delta_weight first, if given) in place; rms_norm(h)."""
+        fn = add_rms_norm if self.use_triton else add_rms_norm_ref
+        return fn(h, delta, weight, eps, delta_weight)
 
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return ACTIVATIONS[activation](gate).mul_(up)
+        return (act_mul if self.use_triton else act_mul_ref)(gate_up, activation)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                  scale: float, sliding_window: int) -> torch.Tensor:
+                  positions: torch.Tensor, rope: RopeTable, scale: float, sliding_window: int,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                  ) -> torch.Tensor:
+        """q, k, v: views of this step's product, q and k not yet normalised nor rotated; q is
+        rotated in place, k on its way into the cache."""
         key_cache, value_cache = kv_cache
+        fn = rope_store_kvcache if self.use_triton else rope_store_kvcache_ref
+        fn(q, k, v, key_cache, value_cache, meta.slot_mapping, positions, rope.cos, rope.sin,
+           qk_norm)
         args = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, scale)
         if self.use_triton:
-            store_kvcache(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention(*args, sliding_window=sliding_window,
                                   max_seq_len=meta.max_seq_len)
         else:
-            store_kvcache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
             out = paged_attention_ref(*args, sliding_window=sliding_window)
         return out.reshape(q.shape[0], -1)

@@ -58,7 +58,7 @@ class LLMEngine:
         then capture the decode graphs."""
         t0 = time.perf_counter()
         model = self.loaded.model
-        launches = warmup_launches(KernelShapes.of(self.loaded.config), model.backend.dtype,
+        launches = warmup_launches(KernelShapes.of(model), model.backend.dtype,
                                    model.logits_dtype, self.runner.device)
         for _, launch in launches:
             launch()

@@ -53,29 +53,24 @@ class DecoderModel:
         h = self.embed(input_ids)
         if cfg.embedding_scale != 1.0:
             h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            qkv = layer.qkv(be.rms_norm(h, layer.attn_norm, eps))
+        # The residual stream h takes each sublayer's output in the call that normalises it
+        # for the next sublayer (Gemma's norm of that output too): one kernel on the GPU.
+        x = be.rms_norm(h, self.layers[0].attn_norm, eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv = layer.qkv(x)
             # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart.
             q = qkv[:, :self.q_size].view(T, H, D)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, KVH, D)
             v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, D)
-            if layer.q_norm is not None:
-                be.rms_norm_heads_(q, layer.q_norm, eps)
-                be.rms_norm_heads_(k, layer.k_norm, eps)
-            # Q and K sit side by side in the product: rotate them as one run of heads.
-            be.rope_(qkv[:, :self.q_size + self.kv_size].view(T, H + KVH, D), positions,
-                     layer.rope)
-            attn = be.attention(q, k, v, kv_cache, meta, cfg.attn_scale, layer.sliding_window)
-            out = layer.o(attn)
-            if layer.post_attn_norm is not None:
-                out = be.rms_norm(out, layer.post_attn_norm, eps)
-            h.add_(out)
-            mlp = layer.down(be.act_mul(layer.gate_up(be.rms_norm(h, layer.ffn_norm, eps)),
-                                        cfg.activation))
-            if layer.post_ffn_norm is not None:
-                mlp = be.rms_norm(mlp, layer.post_ffn_norm, eps)
-            h.add_(mlp)
-        return be.rms_norm(h, self.final_norm, eps)
+            qk_norm = (layer.q_norm, layer.k_norm, eps) if layer.q_norm is not None else None
+            attn = be.attention(q, k, v, kv_cache, meta, positions, layer.rope, cfg.attn_scale,
+                                layer.sliding_window, qk_norm)
+            x = be.add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, layer.post_attn_norm)
+            mlp = layer.down(be.act_mul(layer.gate_up(x), cfg.activation))
+            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else \
+                self.final_norm
+            x = be.add_rms_norm(h, mlp, after, eps, layer.post_ffn_norm)
+        return x
 
     @property
     def logits_dtype(self) -> torch.dtype:

@@ -177,6 +177,14 @@ class CpuBackend:
         self.lib.kiln_rms_norm(x.data_ptr(), x.stride(0), D, T, H, D, weight.data_ptr(), eps,
                                x.data_ptr(), x.stride(0), D, self.threads)
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float, delta_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """h += delta (normalised with delta_weight first, if given) in place; rms_norm(h)."""
+        if delta_weight is not None:
+            delta = self.rms_norm(delta, delta_weight, eps)
+        h.add_(delta)
+        return self.rms_norm(h, weight, eps)
+
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> None:
         """x: [T, H, D] view (heads contiguous), rotated in place (NeoX: rotate_half).
         positions: [T] int64."""
@@ -201,11 +209,20 @@ class CpuBackend:
         v: torch.Tensor,  # [T, num_kv_heads, head_dim] view
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        positions: torch.Tensor,  # [T] int64
+        rope: RopeTable,
         scale: float,
         sliding_window: int,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q w, k w, eps)
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
-        """Store this step's K/V through the slot mapping, then attend over the paged cache.
-        The metadata's dtypes (int32 tables and lengths, int64 slots) are the runner's."""
+        """Normalise each head of q and k (QK-norm) and rotate them (RoPE) in place, store this
+        step's K/V through the slot mapping, then attend over the paged cache. The
+        metadata's dtypes (int32 tables and lengths, int64 slots) are the runner's."""
+        if qk_norm is not None:
+            self.rms_norm_heads_(q, qk_norm[0], qk_norm[2])
+            self.rms_norm_heads_(k, qk_norm[1], qk_norm[2])
+        self.rope_(q, positions, rope)
+        self.rope_(k, positions, rope)
         key_cache, value_cache = kv_cache
         T, H, D = q.shape
         KVH = k.shape[1]

@@ -1,0 +1,144 @@
+"""How many kernels one decode step launches on the GPU path, counted without a GPU: the
+dense backend's forward on CPU tensors with the Triton kernels (in the interpreter), torch's
+ops seen through its dispatcher (views and allocations launch nothing), plus the Triton
+launches. At ~2.5 us a dependent kernel, the count is the batch-1 step's floor.
+
+Per layer is measured, not assumed: a model of three layers against the same model of two.
+The step is the CUDA graphs' one (kernels/attention.py's split-KV over the whole context, so
+attention is two kernels: partitions, then their merge)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from tiny_gguf import llama_metadata, llama_tensors, write_gguf
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime import interpreter
+
+from kiln.kernels import BLOCK_SIZE, INTERPRET
+from kiln.runtime.backends.dense import DenseBackend
+from kiln.runtime.kv.attention_metadata import AttentionMetadata
+from kiln.runtime.models.loader import ARCHITECTURES
+from kiln.runtime.store.gguf_file import open_gguf
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="counts Triton's interpreted launches")
+
+MAX_PER_LAYER = 12
+MAX_FIXED = 6  # embedding (and Gemma's scale), the first norm, the LM head
+CTX = 4096
+
+
+class KernelCount(TorchDispatchMode):
+    """The kernels a block of code launches: torch ops that are not views or allocations,
+    and Triton launches (whose own argument copies in the interpreter are not counted)."""
+
+    NOT_KERNELS = {"empty", "empty_like", "empty_strided", "lift_fresh", "detach", "detach_",
+                   "alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.launches: collections.Counter = collections.Counter()
+        self._in_triton = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._in_triton and not func.is_view and name not in self.NOT_KERNELS:
+            self.launches[f"torch {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        run = self._run = interpreter.GridExecutor.__call__
+        count = self
+
+        def counted(executor, *args, **kwargs):
+            count.launches[f"triton {executor.fn.__name__}"] += 1
+            count._in_triton += 1
+            try:
+                return run(executor, *args, **kwargs)
+            finally:
+                count._in_triton -= 1
+
+        interpreter.GridExecutor.__call__ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        interpreter.GridExecutor.__call__ = self._run
+        return super().__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.launches.values())
+
+
+def _tiny(arch: str, layers: int, vocab: int) -> tuple[str, dict, dict]:
+    """(GGUF arch, metadata, tensors) of a tiny model with the family's features."""
+    head_dim = 64  # hidden 128 over 2 heads: the smallest head attention takes
+    meta = llama_metadata(layers=layers, heads=2, kv_heads=1, head_dim=head_dim)
+    t = llama_tensors(vocab, layers=layers, heads=2, kv_heads=1, head_dim=head_dim)
+    rng = np.random.default_rng(0)
+    for i in range(layers):
+        p = f"blk.{i}."
+        if arch == "qwen2":
+            for x, rows in (("q", 2), ("k", 1), ("v", 1)):
+                t[p + f"attn_{x}.bias"] = rng.standard_normal(rows * head_dim, dtype=np.float32)
+        if arch in ("qwen3", "gemma3"):
+            for x in "qk":
+                t[p + f"attn_{x}_norm.weight"] = np.ones(head_dim, dtype=np.float32)
+        if arch == "gemma3":
+            t[p + "post_attention_norm.weight"] = np.ones(128, dtype=np.float32)
+            t[p + "post_ffw_norm.weight"] = np.ones(128, dtype=np.float32)
+        if arch == "phi3":
+            t[p + "attn_qkv.weight"] = np.concatenate([t.pop(p + f"attn_{x}.weight")
+                                                       for x in "qkv"])
+            t[p + "ffn_up.weight"] = np.concatenate([t.pop(p + "ffn_gate.weight"),
+                                                     t[p + "ffn_up.weight"]])
+    meta["vocab_size"] = vocab  # no tokenizer in the file
+    if arch in ("qwen3", "gemma3"):
+        meta["attention.key_length"] = meta["attention.value_length"] = head_dim
+    if arch == "gemma3":
+        meta["attention.sliding_window"] = 512
+    return arch, meta, t
+
+
+def decode_step_kernels(path) -> KernelCount:
+    """The kernels of one decode step of two sequences (forward and LM head)."""
+    gf = open_gguf(path)
+    family = ARCHITECTURES[gf.arch]
+    model = family.build(family.read_config(gf), gf, DenseBackend("cpu", use_triton=True))
+    cfg = model.cfg
+    num_blocks = 2 * CTX // BLOCK_SIZE
+    kv = [model.backend.kv_cache(num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+          for _ in range(cfg.num_layers)]
+    seq_lens = torch.tensor([5, 40], dtype=torch.int32)
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(2, -1)
+    meta = AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, tables,
+                             torch.tensor([4, CTX + 39]), 1, CTX)
+    ids, positions = torch.tensor([11, 12]), torch.tensor([4, 39])
+    with torch.inference_mode(), KernelCount() as count:
+        model.compute_logits(model.forward(ids, positions, meta, kv))
+    return count
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3"])
+def test_a_decode_step_launches_at_most_12_kernels_a_layer(arch, tmp_path):
+    counts = []
+    for layers in (2, 3):
+        gguf_arch, meta, t = _tiny(arch, layers, 512)
+        path = write_gguf(tmp_path / f"{arch}-{layers}.gguf", gguf_arch, meta, t,
+                          tokenizer_from=None)
+        counts.append(decode_step_kernels(path))
+    two, three = counts
+    per_layer = three.launches - two.launches
+    layer_total = sum(per_layer.values())
+    fixed = two.total - 2 * layer_total
+    what = f"{arch}: {layer_total} a layer {dict(per_layer)}, {fixed} more {dict(two.launches)}"
+    print(what)
+    assert layer_total <= MAX_PER_LAYER, what
+    assert 0 <= fixed <= MAX_FIXED, what
+    # what the layer is made of: the four products, the fused kernels, attention
+    assert per_layer["triton _rope_store_kernel"] == 1, what
+    assert per_layer["triton _rms_norm_kernel"] == 2, what
+    assert per_layer["triton _act_mul_kernel"] == 1, what
