@@ -22,7 +22,7 @@ def _check_invariants(pool: BlockPool) -> None:
         assert b.block_hash == h and b.token_ids is not None
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]),
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "draft", "free"]),
                          st.integers(0, 7), st.integers(1, 60)), max_size=60)
 
 
@@ -50,11 +50,21 @@ def test_random_operations_keep_invariants_and_leak_nothing(operations):
                 req.append_output_token(1000 + t)
                 req.num_computed_tokens += 1
                 kv.cache_full_blocks(req, req.num_computed_tokens)
+        elif op == "draft" and slot in live:  # slots for drafts, all rejected
+            req = live[slot]
+            if kv.allocate_slots(req, 1 + n % 20):
+                kv.trim(req, req.num_computed_tokens + 1)
         elif op == "free" and slot in live:
             kv.free(live.pop(slot))
         _check_invariants(kv.block_pool)
         for req in live.values():
             assert len(kv.get_block_ids(req)) * BS >= req.num_computed_tokens
+            # the runner's copy of the table, kept up to date in place
+            assert kv.block_table(req).tolist() == kv.get_block_ids(req)
+            # every full, computed block is in the prefix cache (indexed once, as filled)
+            blocks = kv.req_to_blocks[req.request_id]
+            assert all(b.block_hash is not None
+                       for b in blocks[:req.num_computed_tokens // BS])
     for req in live.values():
         kv.free(req)
     _check_invariants(kv.block_pool)

@@ -54,30 +54,33 @@ class ModelRunner:
                                    config.block_size, self.device) if config.cuda_graphs else None
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        """The step's inputs, built in work proportional to its tokens and rows, not to its
+        contexts: positions, slots and lengths by numpy over the whole step, block tables
+        copied row by row from the KV manager's arrays."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
-        num_tokens = sum(n for _, n in scheduled)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        starts = np.fromiter((req.num_computed_tokens for req, _ in scheduled), np.int64,
+                             num_seqs)
+        counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
+        ends = np.cumsum(counts)
+        num_tokens = int(ends[-1])
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        tables = [self.kv.get_block_ids(req) for req, _ in scheduled]
+        query_start_loc[1:] = ends
+        seq_lens = (starts + counts).astype(np.int32)
+        max_query_len, max_seq_len = int(counts.max()), int(seq_lens.max())
+        row_of_token = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
+        tables = [self.kv.block_table(req) for req, _ in scheduled]
         block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
+        input_ids: list[int] = []
         logits_indices, sampling_requests, prompt_rows, num_logits_rows = [], [], [], []
-        end = 0
-        for i, ((req, n), block_ids) in enumerate(zip(scheduled, tables, strict=True)):
-            start, end = req.num_computed_tokens, end + n
-            pos = np.arange(start, start + n)
+        for i, ((req, n), table, start, end) in enumerate(
+                zip(scheduled, tables, starts.tolist(), ends.tolist(), strict=True)):
+            block_tables[i, :len(table)] = table
             tokens = req.all_token_ids[start:start + n]
             if len(tokens) < n:  # the drafts the step checks follow the last token
                 tokens = tokens + req.spec_token_ids[:n - len(tokens)]
-            input_ids[end - n:end] = tokens
-            positions[end - n:end] = pos
-            block_tables[i, :len(block_ids)] = block_ids
-            slot_mapping[end - n:end] = block_tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-            query_start_loc[i + 1] = end
-            seq_lens[i] = start + n
+            input_ids += tokens
             if start + n == req.num_tokens_with_spec:
                 k = len(req.spec_token_ids)
                 logits_indices.extend(range(end - 1 - k, end))
@@ -90,6 +93,9 @@ class ModelRunner:
                 hi = min(start + n, req.num_prompt_tokens - 1)
                 if lo < hi:
                     prompt_rows.append((req, end - n + lo - start, lo, hi))
+        input_ids = np.array(input_ids, dtype=np.int64)
+        slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs \
+            + positions % bs
         bucket = None
         if self.graphs is not None and num_tokens == num_seqs == len(sampling_requests) \
                 and not prompt_rows:
@@ -107,8 +113,7 @@ class ModelRunner:
             np.array(logits_indices, dtype=np.int64))
         meta = AttentionMetadata(
             query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-            slot_mapping=slot_mapping, max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(req.num_computed_tokens + n for req, n in scheduled))
+            slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graph_bucket=bucket,
