@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kiln.bench.spec_prompts import spec_prompt  # noqa: E402
 from kiln.runtime.drafting.config import SpeculativeConfig  # noqa: E402
+from kiln.runtime.engine.bootstrap import EngineOptions, build_engine  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
 from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from kiln.runtime.models.loader import load_model  # noqa: E402
 from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
@@ -60,11 +60,14 @@ def main() -> None:
     ap.add_argument("--k", default="4", help="--num-speculative-tokens values to try")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="as kiln serve's (auto on the CPU: 8-bit activations, fp16 KV cache)")
     args = ap.parse_args()
-    model = load_model(args.model)
+    model, _ = build_engine(args.model, EngineOptions(dtype=args.dtype, kv_cache_tokens=16384))
     settings = [None] + [SpeculativeConfig(num_speculative_tokens=int(k))
                          for k in args.k.split(",")]
-    print(f"{args.model}: {args.prompts} prompts a workload, {args.max_tokens} tokens each")
+    print(f"{args.model} --dtype {args.dtype}: {args.prompts} prompts a workload, "
+          f"{args.max_tokens} tokens each")
     for kind in args.workloads.split(","):
         prompts = [model.chat_prompt_ids(spec_prompt(kind, i, 0)) for i in range(args.prompts)]
         base = plain = None

@@ -69,3 +69,27 @@ def test_ctx_len_is_raised_to_512_and_capped_at_the_model():
     assert EngineConfig.build(8192, 1024, ctx_len=100).ctx_len == 512
     assert EngineConfig.build(8192, 1024, ctx_len=100000).ctx_len == 8192
     assert EngineConfig.build(8192, 1024).ctx_len == 8192
+
+
+def _first_steps(max_num_batched_tokens: int, steps: int = 2) -> list[list[tuple[str, int]]]:
+    """Three 1,500-token prompts with 512-token chunks: what each of the first steps reads."""
+    cfg = EngineConfig.build(4096, 1024, prefill_chunk_len=512, kv_cache_tokens=8192,
+                             max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)
+    sched = Scheduler(cfg, KVCacheManager(cfg.num_blocks, cfg.block_size, "m"))
+    for rid in "abc":
+        sched.add_request(Request(rid, [ord(rid)] * 1500, SamplingParams(), max_tokens=1))
+    taken = []
+    for _ in range(steps):
+        out = sched.schedule()
+        taken.append([(r.request_id, n) for r, n in out.scheduled])
+        sched.update_after_step(out.scheduled)
+    return taken
+
+
+def test_a_larger_step_budget_reads_several_prompts_chunks_at_once():
+    # The default (and any smaller value): a chunk beside a token for each running request.
+    assert _first_steps(0) == _first_steps(100) == [[("a", 512)], [("a", 512)]]
+    # vLLM's --max-num-batched-tokens: the chunks of several prompts in one step, each
+    # prompt still read one chunk a step (the contract's chunks and their log lines).
+    assert _first_steps(1100) == [[("a", 512), ("b", 512)], [("a", 512), ("b", 512)]]
+    assert _first_steps(2048) == [[("a", 512), ("b", 512), ("c", 512)]] * 2

@@ -65,6 +65,13 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="with --speculative ngram: the longest, tried first")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def engine_options(args):
     """The engine options of `kiln run` or `kiln serve` (run has no batching flags)."""
     from kiln.runtime.engine.bootstrap import EngineOptions
@@ -72,7 +79,9 @@ def engine_options(args):
     return EngineOptions(ctx_len=args.ctx_len, speculative=speculative_config(args),
                          prefill_chunk_len=getattr(args, "prefill_chunk_len", None),
                          kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-                         max_num_seqs=getattr(args, "max_num_seqs", None), dtype=args.dtype,
+                         max_num_seqs=getattr(args, "max_num_seqs", None),
+                         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+                         dtype=args.dtype,
                          int8_activations=args.int8_activations,
                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                          enforce_eager=getattr(args, "enforce_eager", False))
@@ -216,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None,
                        help="most requests decoded together in one step (default 64 on the "
                             "CPU, 256 on CUDA, at most what the KV cache holds)")
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                       help="most tokens computed in one step, prompts' chunks and decode rows "
+                            "together (default 8192 on CUDA; on the CPU a prefill chunk and a "
+                            "token per request; never less than that)")
     serve.add_argument("--per-request-sampling", action="store_true",
                        help="sampling settings do not stick: each request starts from the "
                             "model defaults")

@@ -123,8 +123,9 @@ class ServerState:
         gc.collect()
         gc.freeze()
         config = engine.config
-        log.info("[kiln]  Serving %s: context %d, prefill chunk %d, KV cache %d tokens "
-                 "(%d blocks of %d)", ref.name, config.ctx_len, config.prefill_chunk_len,
+        log.info("[kiln]  Serving %s: context %d, prefill chunk %d, %d tokens a step, KV "
+                 "cache %d tokens (%d blocks of %d)", ref.name, config.ctx_len,
+                 config.prefill_chunk_len, config.token_budget,
                  config.num_blocks * config.block_size, config.num_blocks, config.block_size)
 
     def resolve(self, name: str) -> ModelRef:

@@ -26,6 +26,9 @@ class EngineOptions:
     prefill_chunk_len: int | None = None
     kv_cache_tokens: int | None = None  # None: from GPU memory on CUDA, 4 contexts on the CPU
     max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU
+    # tokens a step computes; None: 8192 on CUDA (several prompts' chunks in one step: a
+    # prefill step is launch-bound there), a chunk and a token per request on the CPU
+    max_num_batched_tokens: int | None = None
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
@@ -36,6 +39,9 @@ class EngineOptions:
     # with dtype "auto" (fp32 products with an explicit float32). With "auto" the CPU's KV
     # cache is fp16 too.
     int8_activations: bool | None = None
+
+
+GPU_BATCHED_TOKENS = 8192  # vLLM's default for its server on large GPUs
 
 
 def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEngine]:
@@ -55,7 +61,9 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,
         prefill_chunk_len=options.prefill_chunk_len, kv_cache_tokens=options.kv_cache_tokens,
-        max_num_seqs=options.max_num_seqs or (256 if cuda else 64), device=device,
+        max_num_seqs=options.max_num_seqs or (256 if cuda else 64),
+        max_num_batched_tokens=options.max_num_batched_tokens or (GPU_BATCHED_TOKENS if cuda
+                                                                  else 0), device=device,
         use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
         speculative=options.speculative,
         kv_bytes_per_token=kv_bytes_per_token(loaded.config, kv_itemsize))

@@ -20,7 +20,9 @@ class EngineConfig:
     kv_cache_tokens: int
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 0  # 0 = prefill_chunk_len + max_num_seqs
+    # The most tokens one step computes (vLLM's --max-num-batched-tokens), never less than a
+    # prefill chunk beside a token for every running request; 0: just that.
+    max_num_batched_tokens: int = 0
     device: str = "cpu"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
     cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
@@ -43,6 +45,12 @@ class EngineConfig:
     def num_blocks(self) -> int:
         return -(-self.kv_cache_tokens // self.block_size)
 
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} must be "
+                             "positive")
+
     @property
     def token_budget(self) -> int:
-        return self.max_num_batched_tokens or self.prefill_chunk_len + self.max_num_seqs
+        """A chunk always fits beside the decode rows, so no prompt waits on them forever."""
+        return max(self.max_num_batched_tokens, self.prefill_chunk_len + self.max_num_seqs)
