@@ -84,7 +84,7 @@ def test_chat_stream_chunk_sequence(server):
     ids = {c["id"] for c in chunks}
     fps = {c["system_fingerprint"] for c in chunks}
     assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
-    assert len(fps) == 1 and re.fullmatch(r"fp_[0-9a-f]+", fps.pop())
+    assert len(fps) == 1 and re.fullmatch(r"fp_[0-9a-f]{10}", fps.pop())
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
     first, *middle, final, usage = chunks
     assert first["choices"][0]["delta"]["role"] == "assistant"
@@ -120,17 +120,20 @@ def test_stream_without_include_usage_has_no_usage_chunk(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_each_stream_has_its_own_fingerprint_and_responses_have_none(server, client):
+def test_every_reply_carries_the_servings_fingerprint(server, client):
+    """contract.md: what decides the bits (weights, kiln, backend and dtype), the same on
+    every chunk of every stream and on whole responses, chat and completions alike."""
     fingerprints = set()
     for _ in range(2):
         for c in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
                                                 stream=True):
             fingerprints.add(c.system_fingerprint)
-    assert len(fingerprints) == 2 and None not in fingerprints
-    r = server.post(CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 1})
-    assert "system_fingerprint" not in r.json()
-    r = server.post(CMPL, {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
-    assert "system_fingerprint" not in r.json()
+    fingerprints.add(server.post(CHAT, {"model": MODEL, "messages": QUESTION,
+                                        "max_tokens": 1}).json()["system_fingerprint"])
+    fingerprints.add(server.post(CMPL, {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+                                 ).json()["system_fingerprint"])
+    assert len(fingerprints) == 1
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", fingerprints.pop())
 
 
 # --- same text streamed or not; stop strings; max_tokens ---

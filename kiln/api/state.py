@@ -27,12 +27,14 @@ from kiln.cluster.options import ClusterOptions
 from kiln.runtime.engine.bootstrap import EngineOptions, start_engine
 from kiln.runtime.engine.client import EngineClient
 from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.fingerprint import system_fingerprint
 from kiln.runtime.errors import ModelNotFoundError
 from kiln.runtime.models.loader import ModelInfo
 from kiln.runtime.sampling.settings import SamplingSettings
 from kiln.runtime.store.catalogue import lookup
 from kiln.runtime.store.gguf_file import ModelLoadError
 from kiln.runtime.store.model_dirs import ModelDirs, default_models_dir
+from kiln.runtime.store.weights_digest import weights_sha256
 
 log = logging.getLogger("kiln")
 
@@ -67,6 +69,7 @@ class Serving:
     model: ModelInfo
     engine: EngineClient
     settings: SamplingSettings
+    fingerprint: str  # every reply's system_fingerprint (runtime/engine/fingerprint.py)
 
     @property
     def config(self) -> EngineConfig:
@@ -110,7 +113,9 @@ class ServerState:
         # A models-directory file is known by its file name.
         serving = Serving(ref, replace(model, name=ref.name), engine,
                           SamplingSettings(model.defaults,
-                                           per_request=self.options.per_request_sampling))
+                                           per_request=self.options.per_request_sampling),
+                          system_fingerprint(weights_sha256(model.path, model.entry),
+                                             engine.config.numerics))
         old, self.serving = self.serving, serving
         if old is not None:
             self.metrics.engine_retired(old.engine.stats())

@@ -1,6 +1,7 @@
 """What /v1/chat/completions' and /v1/completions' replies share: one id, creation time and
-(streamed) system fingerprint for every chunk, the usage chunk last when asked, an error
-in-band, and the whole body's envelope. Each route's reply adds its choices."""
+system fingerprint (what decides the reply's bits: the Serving's) for every chunk and the
+whole body, the usage chunk last when asked, an error in-band, and the whole body's envelope.
+Each route's reply adds its choices."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 from kiln.api.errors import error_body
 from kiln.api.pipeline.admission import Generation
 from kiln.api.pipeline.assembler import combined_totals
-from kiln.api.pipeline.reply import system_fingerprint
 from kiln.api.pipeline.usage import usage
+from kiln.api.state import Serving
 from kiln.runtime.errors import KilnError
 
 
@@ -19,12 +20,12 @@ class OpenAIReply:
     object = ""  # the whole body's; a chunk's is chunk_object
     chunk_object = ""
 
-    def __init__(self, gens: list[Generation], n: int, include_usage: bool, model: str,
-                 ctx_len: int):
+    def __init__(self, gens: list[Generation], n: int, include_usage: bool,
+                 serving: Serving):
         self.gens, self.n, self.include_usage = gens, n, include_usage
-        self.model, self.ctx_len = model, ctx_len
+        self.model, self.ctx_len = serving.model.name, serving.config.ctx_len
         self.id, self.created = gens[0].request_id, int(time.time())
-        self.fingerprint = system_fingerprint()
+        self.fingerprint = serving.fingerprint
 
     def usage(self) -> dict:
         return usage(combined_totals([g.assembler.totals for g in self.gens], self.n),
@@ -49,4 +50,5 @@ class OpenAIReply:
 
     def whole(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
+                "model": self.model, "system_fingerprint": self.fingerprint,
+                "choices": choices, "usage": self.usage()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,11 +41,6 @@ class ReplyShape(Protocol):
     def fail(self, exc: KilnError) -> list[dict]: ...
 
     def body(self) -> dict: ...
-
-
-def system_fingerprint() -> str:
-    # Each stream gets a random one; non-streaming responses have none (contract.md).
-    return f"fp_{secrets.token_hex(5)}"
 
 
 def json_response(body: dict, status: int = 200):

@@ -10,7 +10,7 @@ from kiln.api.pipeline.openai_reply import OpenAIReply
 from kiln.api.pipeline.reply import ChoiceText, send_reply
 from kiln.api.pipeline.workers import off_loop, read_body
 from kiln.api.protocol.chat import ChatCompletionRequest, parse_chat_request
-from kiln.api.state import ServerState
+from kiln.api.state import ServerState, Serving
 from kiln.runtime.text.tool_parser import ToolCallDelta
 from kiln.runtime.text.tools import ToolCall
 
@@ -32,9 +32,8 @@ def tool_call_delta_json(d: ToolCallDelta) -> dict:
 class ChatCompletionReply(OpenAIReply):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, req: ChatCompletionRequest, gens: list[Generation], model: str,
-                 ctx_len: int):
-        super().__init__(gens, req.n, req.include_usage, model, ctx_len)
+    def __init__(self, req: ChatCompletionRequest, gens: list[Generation], serving: Serving):
+        super().__init__(gens, req.n, req.include_usage, serving)
         self.logprobs = req.options.logprobs is not None
         self.choices = [ChoiceText() for _ in gens]
 
@@ -82,6 +81,5 @@ async def chat_completions(request):
     async with state.use(req.model) as serving:
         job = await off_loop(prepare_chat, serving, req)
         admitted = await job.admit(state, "chatcmpl")
-        reply = ChatCompletionReply(req, admitted.generations, serving.model.name,
-                                    serving.config.ctx_len)
+        reply = ChatCompletionReply(req, admitted.generations, serving)
         return await send_reply(request, admitted.generations, reply, req.stream)

@@ -61,8 +61,8 @@ class CompletionReply(OpenAIReply):
     object = chunk_object = "text_completion"
 
     def __init__(self, req: CompletionRequest, gens: list[Generation],
-                 prompts: list[tuple[list[int], str]], model: str, ctx_len: int):
-        super().__init__(gens, req.n, req.include_usage, model, ctx_len)
+                 prompts: list[tuple[list[int], str]], serving: Serving):
+        super().__init__(gens, req.n, req.include_usage, serving)
         self.req, self.prompts = req, prompts
         self.logprobs = req.options.logprobs is not None
         self.choices = [_Choice() for _ in gens]
@@ -144,6 +144,5 @@ async def completions(request):
                                req.sampling, req.options,
                                lambda: OutputAssembler(tok, stop=list(req.options.stop),
                                                        logprobs_style=style), n=req.n)
-        reply = CompletionReply(req, admitted.generations, prompts, serving.model.name,
-                                serving.config.ctx_len)
+        reply = CompletionReply(req, admitted.generations, prompts, serving)
         return await send_reply(request, admitted.generations, reply, req.stream)

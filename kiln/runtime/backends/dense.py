@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+import triton
 
 from kiln.kernels.activation import act_mul, act_mul_ref
 from kiln.kernels.attention import paged_attention, paged_attention_ref
@@ -49,6 +50,18 @@ class DenseBackend:
                  use_triton: bool = False):
         self.device, self.dtype, self.use_triton = torch.device(device), dtype, use_triton
         self.torch_threads = None  # torch's own choice
+
+    @property
+    def numerics(self) -> str:
+        """What decides a reply's bits: torch's (and cuBLAS's) version and the device; the
+        Triton kernels' version where they run."""
+        where = str(self.device)
+        if self.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            where += f" ({torch.cuda.get_device_name(self.device)}, sm_{major}{minor}, " \
+                f"CUDA {torch.version.cuda})"
+        kernels = f", triton {triton.__version__}" if self.use_triton else ""
+        return f"dense: torch {torch.__version__} {str(self.dtype)[6:]} on {where}{kernels}"
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()

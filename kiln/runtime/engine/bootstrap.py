@@ -65,7 +65,7 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         max_num_batched_tokens=options.max_num_batched_tokens or (GPU_BATCHED_TOKENS if cuda
                                                                   else 0), device=device,
         use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
-        speculative=options.speculative,
+        speculative=options.speculative, numerics=loaded.model.backend.numerics,
         kv_bytes_per_token=kv_bytes_per_token(loaded.config, kv_itemsize))
     if cuda and options.kv_cache_tokens is None:
         free, total = torch.cuda.mem_get_info()

@@ -28,6 +28,9 @@ class EngineConfig:
     cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
     kv_bytes_per_token: int = 0  # the KV cache's memory per token (0: not told)
     speculative: SpeculativeConfig | None = None  # drafting (--speculative); None: off
+    # What decides a reply's bits besides the weights: the backend's `numerics` (device,
+    # dtype, kernel variant), named by every reply's system_fingerprint ("": not told)
+    numerics: str = ""
 
     @staticmethod
     def build(model_ctx: int, model_max_prefill: int, *, ctx_len: int | None = None,

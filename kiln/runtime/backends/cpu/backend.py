@@ -111,6 +111,11 @@ class CpuBackend:
         self.kv_fp16 = kv_fp16
         self.name = "cpu" + (", 8-bit activations" if int8_products else "") + \
             (", fp16 KV cache" if kv_fp16 else "")
+        products = "8-bit activations" if int8_products else \
+            "bf16 (oneDNN, not bit-exact)" if bf16_products else "fp32"
+        # A reply's bits follow these, and not the batch, the threads or the ISA.
+        self.numerics = f"cpu kernels: products {products}, KV cache " + \
+            ("fp16" if kv_fp16 else "fp32")
         # The kernels bring their own pool; torch's ops stay on the caller's thread, except
         # oneDNN's bf16 products, which run on torch's own threads. Process-wide, so it is
         # set by the thread that steps this model (ModelRunner), not here: a model loading
