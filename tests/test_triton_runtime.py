@@ -197,3 +197,43 @@ def test_drafted_rows_through_the_triton_path_keep_the_greedy_reply(engines):
         assert run_to_completion(drafting, [req])["d"] == want
         assert req.num_accepted_tokens >= 6 and req.num_drafted_tokens > req.num_accepted_tokens
         assert drafting.kv.block_pool.get_num_free_blocks() == config.num_blocks
+
+
+class ReplayDrafters:
+    """ReplayDrafter for several requests at once, by request id."""
+
+    def __init__(self, drafters: dict[str, ReplayDrafter]):
+        self.drafters = drafters
+
+    def propose(self, requests, lengths):
+        return [self.drafters[r.request_id].propose([r], [k])[0]
+                for r, k in zip(requests, lengths)]
+
+
+def test_drafted_rows_decode_through_graph_buckets_of_their_own(engines):
+    """Three requests drafting two right tokens and a wrong one each step: their rows (1 to 4
+    tokens) pad to the drafts' bucket of 4 rows (17 tokens, the spare ones in padding
+    sequences that store nothing), and each reply is the greedy one."""
+    from kiln.runtime.drafting.config import SpeculativeConfig
+
+    plain = engines[1]
+    prompts = {f"d{i}": [(i * 131 + j * 31) % 3000 + 20 for j in range(40 + 9 * i)]
+               for i in range(3)}
+    want = run_to_completion(plain, [
+        make_request(plain, rid, p, SamplingParams(temperature=0.0), max_tokens=12,
+                     ignore_eos=True) for rid, p in prompts.items()])
+    config = EngineConfig.build(4096, 512, kv_cache_tokens=4096, max_num_seqs=8,
+                                use_triton=True, cuda_graphs=True,
+                                speculative=SpeculativeConfig(num_speculative_tokens=3))
+    engine = LLMEngine(engines[0].loaded, config)
+    engine.drafter = ReplayDrafters({rid: ReplayDrafter(len(p), want[rid])
+                                     for rid, p in prompts.items()})
+    graphs, shapes = engine.runner.spec_graphs, []
+    replay = graphs.replay
+    graphs.replay = lambda ids, *args: shapes.append((args[-1], len(ids))) or replay(ids, *args)
+    reqs = [make_request(engine, rid, p, SamplingParams(temperature=0.0), max_tokens=12,
+                         ignore_eos=True) for rid, p in prompts.items()]
+    assert run_to_completion(engine, reqs) == want
+    assert (4, 17) in shapes, shapes
+    assert all(r.num_accepted_tokens >= 4 for r in reqs)
+    assert engine.kv.block_pool.get_num_free_blocks() == config.num_blocks

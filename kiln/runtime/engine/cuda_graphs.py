@@ -1,18 +1,28 @@
 """CUDA graphs of the decode forward at bucketed batch sizes.
 
-A decode step of the default model launches ~500 kernels whose launch overhead, at batch 1,
-is most of the step. Each bucket's forward (one token per sequence, batch padded to the
-bucket) is captured once at load and replayed with the step's inputs copied into its static
-buffers. Padding rows are sequences of one token whose K/V is never stored (slot -1) and
-whose logits are dropped; attention always takes its split-KV variant with partitions for
-the whole context, which gives a row the same bits as the eager step (kernels/attention.py).
+A decode step of the default model launches ~300 kernels whose launch overhead, at batch 1,
+is most of the step. Each bucket's forward is captured once at load and replayed with the
+step's inputs copied into its static buffers; attention always takes its split-KV variant with
+partitions for the whole context, which gives a row the same bits as the eager step
+(kernels/attention.py).
 
-Off the GPU (the tests) `replay` runs the same padded forward eagerly, so the bucketing and
-the static inputs are tested without CUDA.
+Two families, by the tokens a row brings:
+- plain decode (`tokens_per_row` 1): bucket b is b one-token rows; padding rows are sequences
+  of one token whose K/V is never stored (slot -1) and whose logits are dropped;
+- decode with drafts (`tokens_per_row` 1 + k, --speculative): bucket b holds b rows of up to
+  1 + k tokens each, b * (1 + k) + 1 tokens in all, and the logits of every token (a drafted
+  row needs each of its positions'). A row brings 1 + its drafts, fewer than 1 + k when it
+  drafted less; the tokens left over go to padding sequences after the real ones (one token
+  each, the last taking the rest: there is always a last, the one token past b * (1 + k)),
+  so the launch's shape (tokens, sequences) is the bucket's whatever the drafts.
+
+Off the GPU (the tests) `replay` runs the same padded forward eagerly, so the bucketing, the
+padding and the static inputs are tested without CUDA.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
@@ -28,29 +38,55 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, ctx_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, tokens_per_row: int = 1):
         self.model, self.kv_caches, self.ctx_len = model, kv_caches, ctx_len
+        self.tokens_per_row = tokens_per_row
         self.sizes = bucket_sizes(max_num_seqs)
-        B, max_blocks = self.sizes[-1], -(-ctx_len // block_size)
-        # One set of static inputs at the largest bucket; bucket b uses the first b rows.
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((B,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((B, max_blocks), dtype=torch.int32, device=device)
+        T, S = self.shape(self.sizes[-1])
+        max_blocks = -(-ctx_len // block_size)
+        # One set of static inputs at the largest bucket; bucket b uses the first rows.
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((S, max_blocks), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    def shape(self, b: int) -> tuple[int, int]:
+        """(tokens, sequences) of bucket b's launch."""
+        if self.tokens_per_row == 1:
+            return b, b
+        return b * self.tokens_per_row + 1, b + 1
 
     def bucket(self, num_seqs: int) -> int | None:
         return next((b for b in self.sizes if b >= num_seqs), None)
 
-    def _forward(self, b: int) -> torch.Tensor:  # [b, vocab] logits
+    def pad(self, b: int, input_ids: np.ndarray, positions: np.ndarray,
+            slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+            block_tables: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The step's inputs padded to bucket b's shape with sequences that store nothing."""
+        T, S = self.shape(b)
+        real_tokens, real_seqs = len(input_ids), len(seq_lens)
+        lengths = np.ones(S - real_seqs, dtype=np.int32)  # the padding sequences' tokens
+        lengths[-1:] += T - real_tokens - len(lengths)
+        local = np.arange(T - real_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return (np.concatenate([input_ids, np.zeros(T - real_tokens, dtype=np.int64)]),
+                np.concatenate([positions, local]),  # each padding sequence from position 0
+                np.pad(slot_mapping, (0, T - real_tokens), constant_values=-1),
+                np.concatenate([query_start_loc,
+                                real_tokens + np.cumsum(lengths, dtype=np.int32)]),
+                np.concatenate([seq_lens, lengths]),
+                np.pad(block_tables, ((0, S - real_seqs), (0, 0))))
+
+    def _forward(self, b: int) -> torch.Tensor:  # [tokens or b, vocab] logits
+        T, S = self.shape(b)
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            max_query_len=1, max_seq_len=self.ctx_len)
-        hidden = self.model.forward(self.input_ids[:b], self.positions[:b], meta,
+            query_start_loc=self.query_start_loc[:S + 1], seq_lens=self.seq_lens[:S],
+            block_tables=self.block_tables[:S], slot_mapping=self.slot_mapping[:T],
+            max_query_len=T - S + 1, max_seq_len=self.ctx_len)
+        hidden = self.model.forward(self.input_ids[:T], self.positions[:T], meta,
                                     self.kv_caches)
         return self.model.compute_logits(hidden)
 
@@ -70,14 +106,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                b: int) -> torch.Tensor:
-        """Inputs padded to bucket b by the runner -> logits [b, vocab] (a static buffer,
-        valid until the next replay). Stale block-table columns past this step's width are
-        never read: a row reads only the blocks its seq_len covers."""
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        """Inputs padded to bucket b by `pad` -> logits of its rows (plain decode) or of its
+        tokens (with drafts): a static buffer, valid until the next replay. Stale
+        block-table columns past this step's width are never read: a row reads only the
+        blocks its seq_len covers."""
+        T, S = self.shape(b)
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        self.slot_mapping[:T].copy_(meta.slot_mapping)
+        self.seq_lens[:S].copy_(meta.seq_lens)
+        if self.tokens_per_row > 1:  # a plain decode's never changes
+            self.query_start_loc[:S + 1].copy_(meta.query_start_loc)
+        self.block_tables[:S, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         graph = self.graphs.get(b)
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
             return self._forward(b)

@@ -66,9 +66,13 @@ class LLMEngine:
         t1 = time.perf_counter()
         log.info("[kiln]  Compiled %d kernel variants in %.1f s", len(launches), t1 - t0)
         if self.runner.graphs is not None:
-            self.runner.graphs.capture()
-            log.info("[kiln]  Captured decode CUDA graphs for batch sizes %s in %.1f s",
-                     ",".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - t1)
+            for graphs in (self.runner.graphs, self.runner.spec_graphs):
+                if graphs is not None:
+                    graphs.capture()
+            drafts = " (and with drafts)" if self.runner.spec_graphs is not None else ""
+            log.info("[kiln]  Captured decode CUDA graphs%s for batch sizes %s in %.1f s",
+                     drafts, ",".join(map(str, self.runner.graphs.sizes)),
+                     time.perf_counter() - t1)
 
     @property
     def vocab_size(self) -> int:

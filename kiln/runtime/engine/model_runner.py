@@ -28,7 +28,8 @@ class ModelInput:
     # Logits rows per sampling request: 1, or 1 + its drafts (the row before each draft,
     # and the last one, which yields the token after the drafts).
     num_logits_rows: list[int] = field(default_factory=list)
-    graph_bucket: int | None = None  # a decode padded to this CUDA-graph bucket
+    graphs: DecodeGraphs | None = None  # a decode (with drafts or not) through these ...
+    graph_bucket: int | None = None  # ... padded to this bucket
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -50,8 +51,14 @@ class ModelRunner:
                           for _ in range(mc.num_layers)]
         self.staging = StagingBuffer(self.device)
         self._threads_set = False
-        self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.ctx_len,
-                                   config.block_size, self.device) if config.cuda_graphs else None
+        self.graphs = self.spec_graphs = None
+        if config.cuda_graphs:
+            args = (model, self.kv_caches, config.max_num_seqs, config.ctx_len,
+                    config.block_size, self.device)
+            self.graphs = DecodeGraphs(*args)
+            if config.speculative is not None:  # rows of 1 + their drafts
+                self.spec_graphs = DecodeGraphs(
+                    *args, tokens_per_row=1 + config.speculative.num_speculative_tokens)
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
@@ -96,17 +103,17 @@ class ModelRunner:
         input_ids = np.array(input_ids, dtype=np.int64)
         slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs \
             + positions % bs
-        bucket = None
-        if self.graphs is not None and num_tokens == num_seqs == len(sampling_requests) \
-                and not prompt_rows:
-            bucket = self.graphs.bucket(num_seqs)
-        if bucket is not None and bucket > num_seqs:  # pad: one-token rows that store nothing
-            pad = bucket - num_seqs
-            input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
-            slot_mapping = np.pad(slot_mapping, (0, pad), constant_values=-1)
-            seq_lens = np.pad(seq_lens, (0, pad), constant_values=1)
-            query_start_loc = np.arange(bucket + 1, dtype=np.int32)
-            block_tables = np.pad(block_tables, ((0, pad), (0, 0)))
+        graphs = bucket = None
+        if len(sampling_requests) == num_seqs and not prompt_rows:  # every row decodes
+            graphs = self.graphs if num_tokens == num_seqs else self.spec_graphs
+            if graphs is not None and max_query_len <= graphs.tokens_per_row:
+                bucket = graphs.bucket(num_seqs)
+        if bucket is not None:
+            (input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+             block_tables) = graphs.pad(bucket, input_ids, positions, slot_mapping,
+                                        query_start_loc, seq_lens, block_tables)
+        else:
+            graphs = None
         (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
          logits_indices_t) = self.staging.send(
             input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
@@ -116,7 +123,7 @@ class ModelRunner:
             slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len)
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
-                          num_logits_rows=num_logits_rows, graph_bucket=bucket,
+                          num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
                           prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
@@ -126,9 +133,11 @@ class ModelRunner:
             if self.model.backend.torch_threads:
                 torch.set_num_threads(self.model.backend.torch_threads)
             self._threads_set = True
-        if inp.graph_bucket is not None:  # a decode: every row samples, in order
-            logits = self.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
-            return logits[:len(inp.sampling_requests)]
+        if inp.graphs is not None:  # a decode: every row samples, in order
+            logits = inp.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
+            if inp.graphs.tokens_per_row == 1:
+                return logits[:len(inp.sampling_requests)]
+            return logits[inp.logits_indices]  # each row's tokens, drafts and all
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         for req, row, lo, hi in inp.prompt_logprob_rows:
             req.prompt_logprob_entries += self._prompt_logprobs(hidden[row:row + hi - lo],
