@@ -24,7 +24,7 @@ def test_block_keys_are_the_kv_caches_own(n):
     ids = [(7 * i + 3) % 5000 for i in range(n)]
     kv = KVCacheManager(num_blocks=64, block_size=BS, model_id=MODEL_ID)
     req = Request(request_id="r", prompt_token_ids=ids, sampling=SamplingParams(), max_tokens=1)
-    assert prompt_block_hashes(ids, BS, MODEL_ID) == kv._block_hashes(req, n // BS)
+    assert prompt_block_hashes(ids, BS, MODEL_ID) == kv._extend_block_hashes(req, n // BS)
 
 
 def test_a_prefix_is_matched_block_by_block_from_the_start():
