@@ -87,8 +87,12 @@ class KVCacheManager:
         if need > self.block_pool.get_num_free_blocks() - free_hits:
             return False
         rid = request.request_id
+        if not need and not new_computed_blocks:  # a decode row inside its last block
+            return True
         blocks = self.req_to_blocks.setdefault(rid, [])
-        table = self.req_to_table.setdefault(rid, BlockTable())
+        table = self.req_to_table.get(rid)
+        if table is None:
+            table = self.req_to_table[rid] = BlockTable()
         if new_computed_blocks:
             self.block_pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
