@@ -345,3 +345,23 @@ def test_backend_attention_stores_through_the_slot_mapping(kv_be):
     ref = paged_attention_ref(q, ref_k, ref_v, table, meta.seq_lens, meta.query_start_loc,
                               D ** -0.5)
     torch.testing.assert_close(out.view(3, H, D), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+def test_the_c_philox_stream_is_the_samplers_bit_for_bit(flags):
+    """csrc/philox.c against philox_uniform_ref (itself Triton's tl.rand bit for bit, see
+    test_sampling_kernel.py): any seed (negative ones too), steps past 32 bits, any token."""
+    from kiln.kernels.sampling_ref import philox_uniform_ref
+
+    g = torch.Generator().manual_seed(3)
+    n = 40000
+    seeds = torch.randint(-2**63, 2**63 - 1, (n,), dtype=torch.int64, generator=g)
+    steps = torch.randint(0, 2**40, (n,), dtype=torch.int64, generator=g)
+    tokens = torch.randint(0, 262144, (n,), dtype=torch.int64, generator=g)
+    seeds[:4], steps[:4], tokens[:4] = torch.tensor([0, -1, 1, 2**62]), 0, 0
+    out = torch.empty(n, dtype=torch.float32)
+    library.load(flags).kiln_philox_uniform(seeds.data_ptr(), steps.data_ptr(),
+                                            tokens.data_ptr(), n, out.data_ptr(), 3)
+    ref = philox_uniform_ref(seeds, steps, tokens)
+    assert torch.equal(out, ref)
+    assert 0.0 <= out.min() and out.max() < 1.0 and abs(out.mean().item() - 0.5) < 0.01

@@ -384,3 +384,57 @@ def test_kernel_matches_reference_with_logit_bias(device):
         assert got.token_ids.tolist() == want.token_ids.tolist()
         for i in range(0, 10, 3):
             assert got.token_ids[i].item() != logits[i].argmax().item() or i == 9
+
+
+@pytest.mark.parametrize("V", [1000, 49152])
+@pytest.mark.parametrize("top_p", [1.0, 0.95, 0.6])
+def test_the_cpu_samplers_c_kernels_draw_what_torch_draws(V, top_p):
+    """runtime/backends/cpu/race.py (the CPU sampler's draw over whole rows when no row has
+    top_k: top_p's threshold, then the race) against sample_ref's torch path: the same token
+    for every row, over many seeds and steps, with penalties, a grammar mask, min_p and a
+    greedy row in the batch."""
+    from kiln.runtime.backends.cpu.race import CpuDraw
+
+    logits, md, allowed = mixed_batch(V, "cpu")
+    md = select_rows(md, [0, 2, 5, 7, 9])  # greedy, plain, min-p, masked, one token allowed
+    md.top_p[:], md.top_k[:] = top_p, 0
+    logits = logits[[0, 2, 5, 7, 9]]
+    calls = []
+
+    class Counted(CpuDraw):
+        def race(self, *args):
+            calls.append(1)
+            return CpuDraw.race(*args)
+
+    for step in range(40):
+        md.seeds += 7919
+        md.offsets += step
+        want = sample_ref(logits, md)
+        got = sample_ref(logits, md, cpu=Counted())
+        assert torch.equal(got.token_ids, want.token_ids), step
+        assert torch.equal(got.logprobs, want.logprobs)
+    assert len(calls) == 40
+    assert got.token_ids[4] == 5  # the only token its grammar allows
+
+
+def test_the_c_top_p_threshold_is_torchs():
+    """The threshold itself: the value of the token whose running mass, largest first,
+    reaches top_p of the whole (its equals kept), against a sort in float64."""
+    from kiln.runtime.backends.cpu.race import top_p_threshold
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 5000, generator=gen) * 2
+    x[3, 100:400] = 1.5  # a wide tie across the crossing
+    x[4, :4990] = float("-inf")  # few finite tokens
+    m = x.max(-1).values
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 0.3, 0.7, 0.2, 0.8, 1.0, 0.6])
+    thr = top_p_threshold(x, m, top_p)
+    for r in range(12):
+        if top_p[r] >= 1:
+            assert thr[r] == float("-inf")
+            continue
+        vals = x[r].double().sort(descending=True).values
+        vals = vals[vals > float("-inf")]
+        mass = torch.exp(vals - m[r].double())
+        crossing = int((mass.cumsum(0) < top_p[r].double() * mass.sum()).sum())
+        assert thr[r].item() == vals[crossing].item(), r

@@ -114,8 +114,10 @@ def _candidates_ref(x: torch.Tensor, m: torch.Tensor, top_k: torch.Tensor, top_p
 
 
 def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
-               return_processed: bool = False) -> SamplerOutput:
-    """Torch twin of `sample`: same filters, same thresholds, same Philox stream and race."""
+               return_processed: bool = False, cpu=None) -> SamplerOutput:
+    """Torch twin of `sample`: same filters, same thresholds, same Philox stream and race.
+    cpu: the CPU sampler's C kernels (runtime/backends/cpu/race.py's CpuDraw), which take
+    batches without top_k: top_p's threshold and the race over whole rows."""
     check_inputs(logits, metadata)
     md = metadata
     B, V = logits.shape
@@ -136,31 +138,40 @@ def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
         rows = ((md.temperature > 0) & (md.top_k != 1)).nonzero()[:, 0]
         xs, ms = (x, m) if rows.numel() == B else (x[rows], m[rows])  # [R, V], [R]
         ms = torch.where(ms == float("-inf"), 0.0, ms)
-        thr, cand = _candidates_ref(xs, ms, md.top_k[rows], md.top_p[rows], md)
-        if cand is not None:  # survivors are a prefix-with-ties of the sorted candidates
-            vals, ids = cand
-            r, j = ((vals >= thr[:, None]) & (vals > float("-inf"))).nonzero(as_tuple=True)
-            c, xv = ids[r, j], vals[r, j]
+        top_k = md.top_k[rows]
+        if cpu is not None and not return_processed \
+                and not (md.has_top_k and bool(((top_k > 0) & (top_k < V)).any())):
+            top_p = md.top_p[rows] if md.has_top_p else torch.ones_like(ms)
+            thr = cpu.top_p_threshold(xs, ms, top_p)
+            token_ids[rows] = cpu.race(xs, ms, thr, md.temperature[rows],
+                                       md.min_p[rows] if md.has_min_p else None,
+                                       md.seeds[rows], md.offsets[rows])
         else:
-            r, c = ((xs >= thr[:, None]) & (xs > float("-inf"))).nonzero(as_tuple=True)
-            xv = xs[r, c]
-        if md.has_min_p:  # p / p_max = exp(x - m)
-            kept = torch.exp(xv - ms[r]) >= md.min_p[rows][r]
-            r, c, xv = r[kept], c[kept], xv[kept]
-        # Exponential race: argmax p_j / E_j, ties to the lowest token id, as in the kernel.
-        row_ids = rows[r]
-        temp = md.temperature[row_ids]
-        e = -torch.log(philox_uniform_ref(md.seeds[row_ids], md.offsets[row_ids], c))
-        score = torch.exp((xv - ms[r]) / temp) / e
-        R = rows.numel()
-        best = torch.full((R,), -1.0, device=x.device).scatter_reduce(0, r, score, "amax")
-        first = torch.where(score == best[r], c, V)
-        tok = torch.full((R,), V, device=x.device).scatter_reduce(0, r, first, "amin")
-        token_ids[rows] = torch.where(tok == V, 0, tok)  # no survivor: token 0, as the kernel
-        if return_processed:
-            proc = torch.full((R, V), float("-inf"), device=x.device)
-            proc[r, c] = xv / temp
-            processed[rows] = proc
+            thr, cand = _candidates_ref(xs, ms, top_k, md.top_p[rows], md)
+            if cand is not None:  # survivors are a prefix-with-ties of the sorted candidates
+                vals, ids = cand
+                r, j = ((vals >= thr[:, None]) & (vals > float("-inf"))).nonzero(as_tuple=True)
+                c, xv = ids[r, j], vals[r, j]
+            else:
+                r, c = ((xs >= thr[:, None]) & (xs > float("-inf"))).nonzero(as_tuple=True)
+                xv = xs[r, c]
+            if md.has_min_p:  # p / p_max = exp(x - m)
+                kept = torch.exp(xv - ms[r]) >= md.min_p[rows][r]
+                r, c, xv = r[kept], c[kept], xv[kept]
+            # Exponential race: argmax p_j / E_j, ties to the lowest token id, as in the kernel.
+            row_ids = rows[r]
+            temp = md.temperature[row_ids]
+            e = -torch.log(philox_uniform_ref(md.seeds[row_ids], md.offsets[row_ids], c))
+            score = torch.exp((xv - ms[r]) / temp) / e
+            R = rows.numel()
+            best = torch.full((R,), -1.0, device=x.device).scatter_reduce(0, r, score, "amax")
+            first = torch.where(score == best[r], c, V)
+            tok = torch.full((R,), V, device=x.device).scatter_reduce(0, r, first, "amin")
+            token_ids[rows] = torch.where(tok == V, 0, tok)  # no survivor: token 0, as the kernel
+            if return_processed:
+                proc = torch.full((R, V), float("-inf"), device=x.device)
+                proc[r, c] = xv / temp
+                processed[rows] = proc
     logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
     top_logprobs, top_ids = torch.topk(logprobs_all, md.num_top_logprobs, dim=-1)
     return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, processed)

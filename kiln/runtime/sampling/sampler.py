@@ -15,6 +15,8 @@ import torch
 
 from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample
 from kiln.kernels.sampling_ref import sample_ref
+from kiln.runtime.backends.cpu import library
+from kiln.runtime.backends.cpu.race import CpuDraw
 from kiln.runtime.engine.request import Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.sampling.grammar import build_grammar_bitmask
@@ -26,6 +28,9 @@ class Sampler:
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
         self.staging = StagingBuffer(device)
+        # The CPU sampler (sample_ref) draws over whole rows in kiln's C kernels where they run.
+        self.cpu_draw = CpuDraw() if torch.device(device).type == "cpu" \
+            and library.unavailable_reason() is None else None
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         """Every column built on the host and sent in one copy; the batch flags come from
@@ -96,7 +101,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
-        return (sample if self.use_triton else sample_ref)(logits, meta)
+        if self.use_triton:
+            return sample(logits, meta)
+        return sample_ref(logits, meta, cpu=self.cpu_draw)
 
 
 def _row_bias(req: Request) -> dict[int, float]:

@@ -36,6 +36,9 @@ SIGNATURES = {
     "kiln_attention": ([_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I,
                         _INT, _INT], None),
     "kiln_store_kv": ([_P, _I, _P, _I, _P, _I, _I, _I, _P, _P, _INT], None),
+    "kiln_philox_uniform": ([_P, _P, _P, _I, _P, _INT], None),
+    "kiln_race": ([_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _INT], _INT),
+    "kiln_top_p_threshold": ([_P, _I, _I, _I, _P, _P, _P, _INT], _INT),
 }
 
 
