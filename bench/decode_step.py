@@ -3,8 +3,9 @@
     .venv/bin/python bench/decode_step.py --batch 1,16,64 --context 300 --steps 32
     .venv/bin/python bench/decode_step.py --batch "" --prefill 2000
 
-Each batch runs `batch` greedy requests of `context` prompt tokens, prefills them, then
-times `steps` decode steps of the whole batch. `--prefill N` times reading one N-token
+Each batch runs `batch` requests of `context` prompt tokens (greedy, or sampled as
+`--temperature`, `--top-p` and `--top-k` say), prefills them, then times `steps` decode
+steps of the whole batch. `--prefill N` times reading one N-token
 prompt cold, in the engine's chunks, to its first token. The model loads as `kiln serve`
 loads it (`--dtype`). Compare two trees by running this file from each in the same session,
 alternating: the machine is shared, so only ratios mean anything.
@@ -39,6 +40,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="timed rounds per batch size")
     ap.add_argument("--prefill", type=int, default=0, help="also time a cold N-token prefill")
     ap.add_argument("--breakdown", action="store_true", help="time the step's parts too")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' sampling (default greedy); with --top-p, --top-k")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="as kiln serve's (auto on the CPU: 8-bit activations, fp16 KV cache)")
     args = ap.parse_args()
@@ -58,7 +63,8 @@ def main() -> None:
                 prompt = [(n * 7919 + i * 104729) % (vocab - 1000) + 500
                           for i in range(args.context)]
                 reqs.append(engine.make_request(f"b{n}", EngineRequest(
-                    prompt, SamplingParams(temperature=0.0),
+                    prompt, SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                           top_k=args.top_k, seed=n),
                     RequestOptions(max_tokens=args.steps + 1, ignore_eos=True))))
             for r in reqs:
                 engine.add_request(r)
