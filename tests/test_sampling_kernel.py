@@ -395,7 +395,7 @@ def test_the_cpu_samplers_c_kernels_draw_what_torch_draws(V, top_p):
     greedy row in the batch."""
     from kiln.runtime.backends.cpu.race import CpuDraw
 
-    logits, md, allowed = mixed_batch(V, "cpu")
+    logits, md, allowed = mixed_batch(V, "cpu", num_top=3)
     md = select_rows(md, [0, 2, 5, 7, 9])  # greedy, plain, min-p, masked, one token allowed
     md.top_p[:], md.top_k[:] = top_p, 0
     logits = logits[[0, 2, 5, 7, 9]]
@@ -412,7 +412,10 @@ def test_the_cpu_samplers_c_kernels_draw_what_torch_draws(V, top_p):
         want = sample_ref(logits, md)
         got = sample_ref(logits, md, cpu=Counted())
         assert torch.equal(got.token_ids, want.token_ids), step
-        assert torch.equal(got.logprobs, want.logprobs)
+        # logprobs from the C kernels' log-sum-exp, not torch's log_softmax: ulps apart
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-6, rtol=2e-6)
+        assert torch.equal(got.top_token_ids, want.top_token_ids)
+        torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=2e-6, rtol=2e-6)
     assert len(calls) == 40
     assert got.token_ids[4] == 5  # the only token its grammar allows
 
@@ -438,3 +441,20 @@ def test_the_c_top_p_threshold_is_torchs():
         mass = torch.exp(vals - m[r].double())
         crossing = int((mass.cumsum(0) < top_p[r].double() * mass.sum()).sum())
         assert thr[r].item() == vals[crossing].item(), r
+
+
+def test_the_c_row_stats_are_log_softmaxs():
+    """The CPU sampler's max, argmax (the first of equals) and log-sum-exp, against torch."""
+    from kiln.runtime.backends.cpu.race import row_stats
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 49157, generator=gen) * 4  # a tail past the 16 lanes
+    x[2, 7], x[2, 900] = 50.0, 50.0  # a tie: the first wins
+    x[3, :100] = float("-inf")
+    m, argmax, log_sum = row_stats(x)
+    assert torch.equal(m, x.max(-1).values) and argmax[2] == 7
+    assert torch.equal(argmax, x.argmax(-1))
+    want = torch.log_softmax(x.double(), -1)
+    got = (x - m[:, None]) - log_sum[:, None]
+    finite = x > float("-inf")
+    torch.testing.assert_close(got[finite], want[finite].float(), atol=1e-5, rtol=1e-6)

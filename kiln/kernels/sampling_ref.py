@@ -113,16 +113,30 @@ def _candidates_ref(x: torch.Tensor, m: torch.Tensor, top_k: torch.Tensor, top_p
     return thr, (vals, ids) if bool(complete.all()) else None
 
 
+def logprobs_from_stats(raw: torch.Tensor, m: torch.Tensor, log_sum: torch.Tensor,
+                        token_ids: torch.Tensor, num_top: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chosen tokens' raw logprobs [B], the top-N ids [B, N] and logprobs [B, N] from
+    each row's max and log-sum-exp (the CPU sampler's C kernels): (x - max) - log_sum."""
+    logprobs = (raw.gather(1, token_ids[:, None])[:, 0] - m) - log_sum
+    top_raw, top_ids = torch.topk(raw, num_top, dim=-1)
+    return logprobs, top_ids, (top_raw - m[:, None]) - log_sum[:, None]
+
+
 def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
                return_processed: bool = False, cpu=None) -> SamplerOutput:
     """Torch twin of `sample`: same filters, same thresholds, same Philox stream and race.
-    cpu: the CPU sampler's C kernels (runtime/backends/cpu/race.py's CpuDraw), which take
-    batches without top_k: top_p's threshold and the race over whole rows."""
+    cpu: the CPU sampler's C kernels (runtime/backends/cpu/race.py's CpuDraw): the rows'
+    max and log-sum-exp, and for batches without top_k top_p's threshold and the race over
+    whole rows."""
     check_inputs(logits, metadata)
     md = metadata
     B, V = logits.shape
     raw = logits.float()
-    logprobs_all = torch.log_softmax(raw, dim=-1)
+    if cpu is None:
+        logprobs_all = torch.log_softmax(raw, dim=-1)
+    else:  # the stats log_softmax needs, without its [B, V] output
+        m_raw, argmax_raw, log_sum = cpu.row_stats(raw)
     x = raw
     if md.has_penalties or md.has_grammar:
         x = raw.clone() if raw.data_ptr() == logits.data_ptr() else raw  # x is ours to edit
@@ -132,7 +146,7 @@ def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
             apply_logit_bias_ref_(x, md)
         if md.has_grammar:
             x.masked_fill_(~unpack_bitmask(md.grammar_bitmask, V), float("-inf"))
-    m, token_ids = x.max(-1)
+    m, token_ids = (m_raw, argmax_raw) if cpu is not None and x is raw else x.max(-1)
     processed = x.clone() if return_processed else None
     if not md.all_greedy:
         rows = ((md.temperature > 0) & (md.top_k != 1)).nonzero()[:, 0]
@@ -172,6 +186,10 @@ def sample_ref(logits: torch.Tensor, metadata: SamplingMetadata,
                 proc = torch.full((R, V), float("-inf"), device=x.device)
                 proc[r, c] = xv / temp
                 processed[rows] = proc
-    logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
-    top_logprobs, top_ids = torch.topk(logprobs_all, md.num_top_logprobs, dim=-1)
+    if cpu is None:
+        logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]
+        top_logprobs, top_ids = torch.topk(logprobs_all, md.num_top_logprobs, dim=-1)
+    else:
+        logprobs, top_ids, top_logprobs = logprobs_from_stats(
+            raw, m_raw, log_sum, token_ids, md.num_top_logprobs)
     return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, processed)

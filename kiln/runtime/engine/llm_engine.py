@@ -24,7 +24,6 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.sampler import (
     Sampler,
-    draft_logprobs,
     fetch_samples,
     raw_choices,
     to_token_logprobs,
@@ -230,7 +229,7 @@ class LLMEngine:
             req.spec_token_ids = []
         for (req, _), rows in zip(drafted, kept_rows):
             if rows and req.options.logprobs is not None:
-                new[req.request_id][1].extend(draft_logprobs(
+                new[req.request_id][1].extend(self.sampler.draft_logprobs(
                     logits, rows, new[req.request_id][0], req.options.logprobs))
             else:
                 new[req.request_id][1].extend([None] * len(rows))

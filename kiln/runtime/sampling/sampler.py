@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample
-from kiln.kernels.sampling_ref import sample_ref
+from kiln.kernels.sampling_ref import logprobs_from_stats, sample_ref
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.race import CpuDraw
 from kiln.runtime.engine.request import Request, TokenLogprob
@@ -28,8 +28,9 @@ class Sampler:
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
         self.staging = StagingBuffer(device)
-        # The CPU sampler (sample_ref) draws over whole rows in kiln's C kernels where they run.
-        self.cpu_draw = CpuDraw() if torch.device(device).type == "cpu" \
+        # The CPU sampler (sample_ref) takes each row's max and log-sum-exp, and without top_k
+        # its draw, from kiln's C kernels where they run.
+        self.cpu_draw = CpuDraw() if not use_triton and torch.device(device).type == "cpu" \
             and library.unavailable_reason() is None else None
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
@@ -99,6 +100,22 @@ class Sampler:
             num_top_logprobs=max((r.options.logprobs or 0) for r in requests), flags=flags,
             bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
+    def draft_logprobs(self, logits: torch.Tensor, rows: list[int], token_ids: list[int],
+                       num_top: int) -> list[TokenLogprob]:
+        """Raw logprobs of accepted drafts, computed as the sampler computes a sampled
+        token's (a greedy reply's are the same bits with drafting or without)."""
+        raw = logits[rows].float()
+        ids = torch.tensor(token_ids, device=logits.device)
+        if self.cpu_draw is None:
+            logprobs_all = torch.log_softmax(raw, dim=-1)
+            chosen = logprobs_all.gather(1, ids[:, None])[:, 0]
+            top_values, top_ids = torch.topk(logprobs_all, num_top, dim=-1)
+        else:
+            m, _, log_sum = self.cpu_draw.row_stats(raw)
+            chosen, top_ids, top_values = logprobs_from_stats(raw, m, log_sum, ids, num_top)
+        return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in
+                zip(token_ids, chosen.tolist(), top_ids.tolist(), top_values.tolist())]
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
         if self.use_triton:
@@ -150,15 +167,6 @@ def raw_choices(logits: torch.Tensor, rows: list[int], requests: list[Request]) 
     return x.max(-1).indices.tolist()
 
 
-def draft_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int],
-                   num_top: int) -> list[TokenLogprob]:
-    """Raw logprobs of accepted drafts, as the sampler computes a sampled token's: a
-    log_softmax of the row's raw logits in float32, and its top-N."""
-    logprobs_all = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = logprobs_all.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
-    top_values, top_ids = torch.topk(logprobs_all, num_top, dim=-1)
-    return [TokenLogprob(t, lp, list(zip(ids, values))) for t, lp, ids, values in
-            zip(token_ids, chosen[:, 0].tolist(), top_ids.tolist(), top_values.tolist())]
 
 
 def to_token_logprobs(out: HostSamples, requests: list[Request]) -> list[TokenLogprob | None]:

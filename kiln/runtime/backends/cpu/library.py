@@ -39,6 +39,7 @@ SIGNATURES = {
     "kiln_philox_uniform": ([_P, _P, _P, _I, _P, _INT], None),
     "kiln_race": ([_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _INT], _INT),
     "kiln_top_p_threshold": ([_P, _I, _I, _I, _P, _P, _P, _INT], _INT),
+    "kiln_row_stats": ([_P, _I, _I, _I, _P, _P, _P, _INT], None),
 }
 
 

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "pool.h"
+#include "simd.h"
 
 static inline float philox_uniform(uint64_t seed, uint64_t step, uint64_t token) {
     uint32_t c0 = (uint32_t)token, c1 = (uint32_t)step, c2 = 0, c3 = 0;
@@ -221,4 +222,54 @@ int kiln_top_p_threshold(const float *x, int64_t ldx, int64_t R, int64_t V, cons
     free(e);
     free(key);
     return 0;
+}
+
+typedef struct {
+    const float *x;
+    int64_t ldx, V, R;
+    float *max, *log_sum;
+    int64_t *argmax;
+} stats_args;
+
+static void stats_task(void *ctx, int tid, int nt) {
+    const stats_args *a = ctx;
+    int64_t r0, r1;
+    kiln_share(a->R, tid, nt, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = a->x + r * a->ldx;
+        float m = -INFINITY;
+        int64_t at = 0;
+        for (int64_t j = 0; j < a->V; j++)
+            if (x[j] > m) { /* strictly: the first of equals */
+                m = x[j];
+                at = j;
+            }
+        /* sum(exp(x - m)) in 16 lanes (vf_exp: the same bits on AVX2 and AVX-512), the
+         * lanes then the tail added in one fixed order */
+        float s = 0.0f;
+        if (m != -INFINITY) {
+            const vf vm = vf_set1(m);
+            vf acc = vf_zero();
+            int64_t j = 0;
+            for (; j + 16 <= a->V; j += 16) acc = vf_add(acc, vf_exp(vf_sub(vf_load(x + j), vm)));
+            s = vf_sum(acc);
+            if (j < a->V) {
+                float tail[16];
+                vf_store(tail, vf_exp(vf_sub(vf_load_n(x + j, (int)(a->V - j)), vm)));
+                for (int l = 0; l < a->V - j; l++) s += tail[l];
+            }
+        }
+        a->max[r] = m;
+        a->argmax[r] = at;
+        a->log_sum[r] = logf(s);
+    }
+}
+
+/* Per row r of x [R, V] (row stride ldx): its max, the first index of it, and
+ * log(sum(exp(x - max))), so that a token's logprob is (x - max) - log_sum: what a greedy row
+ * needs of log_softmax, without writing [R, V]. */
+void kiln_row_stats(const float *x, int64_t ldx, int64_t R, int64_t V, float *max,
+                    int64_t *argmax, float *log_sum, int nthreads) {
+    stats_args a = {x, ldx, V, R, max, log_sum, argmax};
+    kiln_parallel(stats_task, &a, R > 1 ? nthreads : 1);
 }
