@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import BLOCK_SIZE
-from kiln.kernels.attention import paged_attention, paged_attention_ref
+from kiln.kernels.attention import paged_attention
+from kiln.kernels.attention_ref import paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # bf16 is slow on the dev CPU

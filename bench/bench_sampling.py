@@ -9,7 +9,8 @@ extra passes are what this number tells against) in extra_info.
 import pytest
 import torch
 
-from kiln.kernels.sampling import SamplingMetadata, sample
+from kiln.kernels.sampling import sample
+from kiln.kernels.sampling_metadata import SamplingMetadata
 from kiln.kernels.sampling_ref import sample_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

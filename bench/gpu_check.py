@@ -37,14 +37,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kiln.kernels.attention import paged_attention, paged_attention_ref  # noqa: E402
+from kiln.kernels.attention import paged_attention  # noqa: E402
+from kiln.kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kiln.kernels.sampling import (  # noqa: E402
     BLOCK_V,
     NUM_PIVOTS,
     NUM_WARPS,
-    SamplingMetadata,
     sample,
 )
+from kiln.kernels.sampling_metadata import SamplingMetadata  # noqa: E402
 from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402

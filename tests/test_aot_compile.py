@@ -39,7 +39,8 @@ CHECK = textwrap.dedent("""
     from kiln.kernels.activation import act_mul
     from kiln.kernels.kv_cache import rope_store_kvcache
     from kiln.kernels.rms_norm import add_rms_norm, rms_norm
-    from kiln.kernels.sampling import SamplingMetadata, sample
+    from kiln.kernels.sampling import sample
+    from kiln.kernels.sampling_metadata import SamplingMetadata
     from kiln.kernels.warmup import warmup_launches
 
     shapes = SHAPES["gemma3:270m"]  # two windows: the most attention variants

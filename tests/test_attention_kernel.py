@@ -8,7 +8,8 @@ import torch
 from conftest import DEVICES
 
 from kiln.kernels import BLOCK_SIZE
-from kiln.kernels.attention import paged_attention, paged_attention_ref
+from kiln.kernels.attention import paged_attention
+from kiln.kernels.attention_ref import paged_attention_ref
 
 # (atol, rtol) of the kernel against the fp32-accumulating reference. bf16/fp16: the kernel
 # rounds P to the cache dtype before P @ V (as on tensor cores) and rounds its output.

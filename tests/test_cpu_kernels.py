@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from kiln.kernels.attention import paged_attention_ref
+from kiln.kernels.attention_ref import paged_attention_ref
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.backend import CpuBackend, PackedLinear

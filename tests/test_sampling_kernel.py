@@ -13,7 +13,8 @@ from conftest import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.kernels.sampling import SamplingMetadata, _uniform, sample
+from kiln.kernels.sampling import _uniform, sample
+from kiln.kernels.sampling_metadata import SamplingMetadata
 from kiln.kernels.sampling_ref import philox_uniform_ref, sample_ref, unpack_bitmask
 
 NEG_INF = float("-inf")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, check_inputs
+from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata, check_inputs
 
 _PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 _PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85

@@ -19,7 +19,8 @@ from kiln.kernels.activation import act_mul
 from kiln.kernels.attention import PARTITION_SIZE, paged_attention
 from kiln.kernels.kv_cache import rope_store_kvcache
 from kiln.kernels.rms_norm import add_rms_norm, rms_norm
-from kiln.kernels.sampling import SamplingMetadata, sample
+from kiln.kernels.sampling import sample
+from kiln.kernels.sampling_metadata import SamplingMetadata
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from kiln.api.protocol.fields import (
     number,
     string,
 )
-from kiln.kernels.sampling import MAX_TOP_LOGPROBS  # what the sampler gives; OpenAI's limit too
+from kiln.kernels.sampling_metadata import MAX_TOP_LOGPROBS
 from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.sampling.settings import SamplingFields
 
+# MAX_TOP_LOGPROBS (chat's top_logprobs) is what the sampler gives, and OpenAI's limit too.
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' integer logprobs (OpenAI's limit)
 MAX_N = 16  # choices per request (they share the prompt's prefill)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value

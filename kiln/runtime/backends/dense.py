@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import act_mul, act_mul_ref
-from kiln.kernels.attention import paged_attention, paged_attention_ref
+from kiln.kernels.attention import paged_attention
+from kiln.kernels.attention_ref import paged_attention_ref
 from kiln.kernels.kv_cache import rope_store_kvcache, rope_store_kvcache_ref
 from kiln.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kiln.runtime.backends import RopeTable

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.kernels.sampling import MAX_TOP_LOGPROBS
+from kiln.kernels.sampling_metadata import MAX_TOP_LOGPROBS
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.errors import ContextLengthError, InvalidRequestError, KVCacheCapacityError
 from kiln.runtime.sampling.grammar import GrammarSpec

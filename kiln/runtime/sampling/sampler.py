@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.kernels.sampling import SamplerOutput, SamplingMetadata, sample
+from kiln.kernels.sampling import sample
+from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata
 from kiln.kernels.sampling_ref import logprobs_from_stats, sample_ref
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.race import CpuDraw
