@@ -32,10 +32,11 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, streams: int = 1
-        ) -> tuple[int, int, float, list[list[int]]]:
-    """(tokens after the first, steps, seconds, the replies) over the prompts, `streams` at
-    a time: each group is prefilled (with its first tokens) before the timing starts."""
-    tokens = steps = 0
+        ) -> tuple[int, int, int, float, list[list[int]]]:
+    """(tokens after the first, steps, row-steps (the unfinished rows of each step, summed),
+    seconds, the replies) over the prompts, `streams` at a time: each group is prefilled (with
+    its first tokens) before the timing starts."""
+    tokens = steps = row_steps = 0
     seconds = 0.0
     replies = []
     for g in range(0, len(prompts), streams):
@@ -49,12 +50,13 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, streams: i
         first = sum(req.num_output_tokens for req in reqs)
         t = time.perf_counter()
         while engine.has_unfinished():
+            row_steps += sum(not req.is_finished for req in reqs)
             engine.step()
             steps += 1
         seconds += time.perf_counter() - t
         tokens += sum(req.num_output_tokens for req in reqs) - first
         replies += [req.output_token_ids for req in reqs]
-    return tokens, steps, seconds, replies
+    return tokens, steps, row_steps, seconds, replies
 
 
 def main() -> None:
@@ -85,7 +87,7 @@ def main() -> None:
                                         kv_cache_tokens=16384, speculative=spec)
             engine = LLMEngine(model, config)
             run(engine, prompts[:args.streams], 8, args.streams)  # warm-up
-            tokens, steps, seconds, replies = run(engine, prompts, args.max_tokens,
+            tokens, steps, row_steps, seconds, replies = run(engine, prompts, args.max_tokens,
                                                   args.streams)
             rate = tokens / seconds
             base, plain = base or rate, plain or replies
@@ -93,7 +95,7 @@ def main() -> None:
             k = spec.num_speculative_tokens if spec else 0
             print(f"{kind:8} k={k}  {rate:6.1f} tok/s ({rate / base:.2f}x)  "
                   f"{1000 * seconds / steps:5.1f} ms a step  "
-                  f"{tokens / steps / args.streams:.2f} tokens a row a step  "
+                  f"{tokens / row_steps:.2f} tokens a row a step  "
                   f"replies as without drafting: {same}/{len(prompts)}",
                   flush=True)
 
