@@ -10,7 +10,6 @@ block's cached_tokens, a cold one does not.
 """
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -153,33 +152,33 @@ def test_sixteen_concurrent_requests_all_complete_as_they_would_alone(server, cl
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,"
 
 
-@contextlib.contextmanager
-def running_streams(server, n: int, **fields):
-    """n greedy streams counting on (hundreds of tokens), each past its first chunk, left
-    running; leaving closes them, and the server aborts them."""
-    with contextlib.ExitStack() as stack:
-        http = stack.enter_context(httpx.Client(timeout=30.0))
-        for _ in range(n):
-            r = stack.enter_context(http.stream("POST", f"{server.url}/v1/completions", json={
-                "model": MODEL, "prompt": COUNTING, "max_tokens": 300, "stream": True,
-                **fields}))
-            next(line for line in r.iter_lines() if line.startswith("data:"))
-        yield
+def on_two_replicas(server, client, prompts: list[str]) -> tuple[str, str]:
+    """Two of `prompts` whose first visits went to different replicas: each one's repeat
+    goes back to its own (prefix affinity decides for requests sent one at a time, where
+    load cannot: a load made of running streams ends early when drafting copies them)."""
+    first_on: dict[str, str] = {}
+    for prompt in prompts:
+        before = replica_requests(server)
+        complete(client, prompt, max_tokens=1)
+        (replica,) = served_by(server, before)
+        first_on.setdefault(replica, prompt)
+        if len(first_on) == 2:
+            return tuple(first_on.values())
+    pytest.fail(f"new prefixes should spread over both replicas: {first_on}")
 
 
 def test_sticky_settings_hold_across_replicas(server, client):
-    prompt = "Prompt. " + " ".join(["hello"] * 10)  # greedy says hello; a penalty cannot
-    # Three long requests share a prefix, so they run on one replica; while they run, a new
-    # prefix goes to the other one (the least loaded).
-    with running_streams(server, 3, temperature=0, presence_penalty=0.0):
-        before = replica_requests(server)
-        # Sent to the busy replica (its prefix is cached there): temperature 0 and a
-        # presence penalty stick for the requests that follow.
-        complete(client, COUNTING + " 21,", temperature=0, presence_penalty=2.0)
-        (setter_replica,) = served_by(server, before)
-        before = replica_requests(server)
-        sticky = complete(client, prompt, max_tokens=12)  # no sampling field: the sticky ones
-        (probe_replica,) = served_by(server, before)
+    # A full block (16 tokens) of its own in each, so the router remembers where it went;
+    # greedy says hello, a penalty cannot.
+    setter_prompt, prompt = on_two_replicas(server, client, [
+        f"Prompt {i}. " + " ".join(["hello"] * 20) for i in range(8)])
+    before = replica_requests(server)
+    # Temperature 0 and a presence penalty stick for the requests that follow.
+    complete(client, setter_prompt, temperature=0, presence_penalty=2.0)
+    (setter_replica,) = served_by(server, before)
+    before = replica_requests(server)
+    sticky = complete(client, prompt, max_tokens=12)  # no sampling field: the sticky ones
+    (probe_replica,) = served_by(server, before)
     assert probe_replica != setter_replica
     explicit = complete(client, prompt, max_tokens=12, temperature=0, presence_penalty=2.0)
     plain = complete(client, prompt, max_tokens=12, temperature=0, presence_penalty=0.0)
