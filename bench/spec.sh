@@ -19,6 +19,8 @@
 #              default)  REPS (3)  MAX_TOKENS (192)  K (4: kiln's --num-speculative-tokens)
 #              CTX (4096)  THREADS (the CPU count)  OUT (bench/results)
 #              LLAMA_SERVER (as bench/compare.sh finds it; none found: kiln only)
+#              LLAMA_NO_REPACK=1 (llama-server --no-repack, as in bench/compare.sh: only where
+#              its repacked path crashes; it slows llama.cpp, so say so beside its figures)
 # Writes OUT/STAMP-spec-LABEL.json per server and OUT/STAMP-spec.txt (the table).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,7 @@ REQUESTS=${REQUESTS:-0}
 REPS=${REPS:-3}
 MAX_TOKENS=${MAX_TOKENS:-192}
 K=${K:-4}
+LLAMA_NO_REPACK=${LLAMA_NO_REPACK:-0}
 CTX=${CTX:-4096}
 THREADS=${THREADS:-$("$PY" -c 'import os; print(os.cpu_count())')}
 OUT=${OUT:-bench/results}
@@ -97,6 +100,7 @@ stop_all
 if command -v "$LLAMA_SERVER" >/dev/null; then
     ARGS=(-m "$GGUF" --alias "$MODEL" -t "$THREADS" -tb "$THREADS" --host 127.0.0.1
           -np "$MAX_LEVEL" -c $((CTX * MAX_LEVEL)) --cont-batching --no-kv-unified)
+    [ "$LLAMA_NO_REPACK" = 1 ] && ARGS+=(--no-repack)
     start llama-server "$LLAMA_SERVER" "${ARGS[@]}"
     start llama-server-ngram "$LLAMA_SERVER" "${ARGS[@]}" --spec-type ngram-simple
     pair llama-server llama-server-ngram
@@ -105,3 +109,7 @@ if command -v "$LLAMA_SERVER" >/dev/null; then
 fi
 "$PY" bench/spec_report.py "$WORK" "$OUT/$STAMP-spec" "$MODEL" "$THREADS" "$K" "${LABELS[@]}" \
     | tee "$OUT/$STAMP-spec.txt"
+if [ "$LLAMA_NO_REPACK" = 1 ] && [[ " ${LABELS[*]} " == *" llama-server "* ]]; then
+    echo "llama-server ran with --no-repack (its repacked path crashes here), which slows it" \
+        | tee -a "$OUT/$STAMP-spec.txt"
+fi
