@@ -16,6 +16,7 @@ from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
+from kiln.runtime.sampling.sampler import cpu_draw_for, raw_logprobs
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ModelRunner:
                                            mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
         self.staging = StagingBuffer(self.device)
+        self.cpu_draw = cpu_draw_for(self.device, config.use_triton)  # for prompt logprobs
         self._threads_set = False
         self.graphs = self.spec_graphs = None
         if config.cuda_graphs:
@@ -149,15 +151,12 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, lo: int, hi: int
                          ) -> list[TokenLogprob]:
         """Raw logprobs (and the top-N) of the prompt tokens at positions lo + 1 .. hi, from
-        the hidden states at positions lo .. hi - 1: a host copy, for echo requests only."""
+        the hidden states at positions lo .. hi - 1, as the sampler computes a sampled token's:
+        a host copy, for echo requests only."""
         entries = []
-        targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], device=hidden.device)
+        targets = req.prompt_token_ids[lo + 1:hi + 1]
         for i in range(0, hi - lo, PROMPT_LOGPROB_ROWS):
             rows = slice(i, min(i + PROMPT_LOGPROB_ROWS, hi - lo))
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), -1)
-            chosen = logprobs.gather(1, targets[rows, None])[:, 0].tolist()
-            top_values, top_ids = logprobs.topk(req.options.prompt_logprobs, dim=-1)
-            for tok, lp, ids, values in zip(targets[rows].tolist(), chosen, top_ids.tolist(),
-                                            top_values.tolist()):
-                entries.append(TokenLogprob(tok, lp, list(zip(ids, values))))
+            entries += raw_logprobs(self.model.compute_logits(hidden[rows]), targets[rows],
+                                    req.options.prompt_logprobs, self.cpu_draw)
         return entries

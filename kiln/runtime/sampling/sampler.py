@@ -29,10 +29,7 @@ class Sampler:
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
         self.staging = StagingBuffer(device)
-        # The CPU sampler (sample_ref) takes each row's max and log-sum-exp, and without top_k
-        # its draw, from kiln's C kernels where they run.
-        self.cpu_draw = CpuDraw() if not use_triton and torch.device(device).type == "cpu" \
-            and library.unavailable_reason() is None else None
+        self.cpu_draw = cpu_draw_for(device, use_triton)
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         """Every column built on the host and sent in one copy; the batch flags come from
@@ -103,25 +100,42 @@ class Sampler:
 
     def draft_logprobs(self, logits: torch.Tensor, rows: list[int], token_ids: list[int],
                        num_top: int) -> list[TokenLogprob]:
-        """Raw logprobs of accepted drafts, computed as the sampler computes a sampled
-        token's (a greedy reply's are the same bits with drafting or without)."""
-        raw = logits[rows].float()
-        ids = torch.tensor(token_ids, device=logits.device)
-        if self.cpu_draw is None:
-            logprobs_all = torch.log_softmax(raw, dim=-1)
-            chosen = logprobs_all.gather(1, ids[:, None])[:, 0]
-            top_values, top_ids = torch.topk(logprobs_all, num_top, dim=-1)
-        else:
-            m, _, log_sum = self.cpu_draw.row_stats(raw)
-            chosen, top_ids, top_values = logprobs_from_stats(raw, m, log_sum, ids, num_top)
-        return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in
-                zip(token_ids, chosen.tolist(), top_ids.tolist(), top_values.tolist())]
+        """Raw logprobs of accepted drafts (a greedy reply's are the same bits with drafting
+        or without)."""
+        return raw_logprobs(logits[rows], token_ids, num_top, self.cpu_draw)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
         if self.use_triton:
             return sample(logits, meta)
         return sample_ref(logits, meta, cpu=self.cpu_draw)
+
+
+def cpu_draw_for(device: torch.device, use_triton: bool) -> CpuDraw | None:
+    """kiln's C kernels for the CPU sampler (sample_ref): each row's max and log-sum-exp, and
+    without top_k its draw, where they run; None elsewhere."""
+    if use_triton or torch.device(device).type != "cpu" or library.unavailable_reason():
+        return None
+    return CpuDraw()
+
+
+def raw_logprobs(logits: torch.Tensor,  # [N, V]: a row per token
+                 token_ids: list[int], num_top: int, cpu_draw: CpuDraw | None
+                 ) -> list[TokenLogprob]:
+    """Raw logprobs of the tokens and each row's top num_top, computed as the CPU sampler
+    computes a sampled token's: a token scored in an echoed prompt, kept from a draft or
+    sampled gets the same bits from the same logits."""
+    raw = logits.float()
+    ids = torch.tensor(token_ids, device=logits.device)
+    if cpu_draw is None:
+        logprobs_all = torch.log_softmax(raw, dim=-1)
+        chosen = logprobs_all.gather(1, ids[:, None])[:, 0]
+        top_values, top_ids = torch.topk(logprobs_all, num_top, dim=-1)
+    else:
+        m, _, log_sum = cpu_draw.row_stats(raw)
+        chosen, top_ids, top_values = logprobs_from_stats(raw, m, log_sum, ids, num_top)
+    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in
+            zip(token_ids, chosen.tolist(), top_ids.tolist(), top_values.tolist())]
 
 
 def _row_bias(req: Request) -> dict[int, float]:
