@@ -5,7 +5,10 @@
 
 Each batch runs `batch` requests of `context` prompt tokens (greedy, or sampled as
 `--temperature`, `--top-p` and `--top-k` say), prefills them, then times `steps` decode
-steps of the whole batch. `--prefill N` times reading one N-token
+steps of the whole batch. The requests that finish their prefill first decode while the
+others prefill, so each may write a token a prefill step: their `max_tokens` leaves room
+for those, every row runs through every timed step, and they are aborted after it (the
+tokens a second are counted, not assumed). `--prefill N` times reading one N-token
 prompt cold, in the engine's chunks, to its first token. The model loads as `kiln serve`
 loads it (`--dtype`). Compare two trees by running this file from each in the same session,
 alternating: the machine is shared, so only ratios mean anything.
@@ -48,7 +51,9 @@ def main() -> None:
                     help="as kiln serve's (auto on the CPU: 8-bit activations, fp16 KV cache)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",") if b]
-    kv_tokens = max([*batches, 1]) * (args.context + args.steps + 32) * (args.repeat + 1)
+    # a token a prefill step at most: a step prefills at least one chunk of 256 tokens
+    ahead = max([*batches, 1]) * args.context // 256 + 2
+    kv_tokens = max([*batches, 1]) * (args.context + args.steps + ahead + 32) * (args.repeat + 1)
     loaded, engine = build_engine(args.model, EngineOptions(
         dtype=args.dtype, kv_cache_tokens=max(kv_tokens, args.prefill * (args.repeat + 1) + 64),
         max_num_seqs=max([*batches, 1])))
@@ -65,21 +70,23 @@ def main() -> None:
                 reqs.append(engine.make_request(f"b{n}", EngineRequest(
                     prompt, SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                            top_k=args.top_k, seed=n),
-                    RequestOptions(max_tokens=args.steps + 1, ignore_eos=True))))
+                    RequestOptions(max_tokens=args.steps + ahead + 1, ignore_eos=True))))
             for r in reqs:
                 engine.add_request(r)
             while any(r.num_output_tokens == 0 for r in reqs):  # prefill
                 engine.step()
             if parts is not None:
                 parts.clear()
+            before = sum(r.num_output_tokens for r in reqs)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             dt = (time.perf_counter() - t0) / args.steps
-            while engine.has_unfinished():
-                engine.step()
+            rows = (sum(r.num_output_tokens for r in reqs) - before) / args.steps
+            for r in reqs:
+                engine.abort(r.request_id)
             print(f"[decode_step]  batch {batch:3d} round {round_}: {dt * 1e3:8.1f} ms/step, "
-                  f"{batch / dt:7.1f} tok/s", flush=True)
+                  f"{rows / dt:7.1f} tok/s ({rows:g} rows a step)", flush=True)
             if parts is not None:
                 ms = {k: v / args.steps * 1e3 for k, v in parts.items()}
                 ms["rest of forward"] = ms["forward"] - sum(

@@ -155,6 +155,31 @@ def test_int8_products_are_fp64_products_where_rounding_x_loses_nothing(qtype, r
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
 
 
+def _largest(qtype: Q, rows: int, cols: int) -> WeightSource:
+    """Every quant at its largest magnitude (Q8_0's at -128), every scale 2^-10."""
+    nb = cols // SB[qtype]
+    raw = np.full((rows, nb, BLOCK_BYTES[qtype]), 0x80 if qtype == Q.Q8_0 else 0xFF, np.uint8)
+    d = np.full((rows, nb), 2.0 ** -10, np.float16).view(np.uint8).reshape(rows, nb, 2)
+    scales = {Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}.get(qtype, (0,))
+    for at in scales:
+        raw[..., at:at + 2] = d
+    return WeightSource("w", qtype, rows, cols, raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_int8_products_hold_at_the_largest_quants_and_activations(qtype, flags):
+    # Without VNNI (the AVX2 build, and AVX-512 before it) the kernel adds quads' 16-bit pair
+    # sums before widening them: the bound it relies on is met here with no room to spare
+    # (x at +-127 in every lane).
+    src = _largest(qtype, 48, 512)
+    x = torch.full((2, 512), 127 * 2.0 ** -4)
+    x[1] = -x[1]
+    ref = x.double() @ torch.from_numpy(src.dequantize()).double().T
+    y = _int8([src], flags=flags)(x)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
 def test_int8_products_err_by_no_more_than_rounding_x_to_8_bits(qtype):
     src = _source(qtype, 96, 512, 3)
@@ -295,6 +320,22 @@ def test_attention_matches_the_reference_on_a_mixed_batch(kv_be, heads, window):
     ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
                               D ** -0.5, sliding_window=window)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512 to compare with the AVX2 build")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (5, 1, 80)],
+                         ids=["smollm2", "gemma3", "five-vectors"])
+def test_attention_in_the_avx2_build_gives_the_avx512_builds_bits(heads):
+    """The AVX2 build's register tiles are smaller (16 ymm), and a head of five vectors ends
+    on a narrower tile: each score and output lane is still the same chain of operations."""
+    H, KVH, D = heads
+    builds = CpuBackend(kv_fp16=True), CpuBackend(kv_fp16=True, extra_flags=("-mno-avx512f",))
+    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(builds[0], MIXED, H, KVH, D)
+    native, avx2 = (_attend(be, q, cache, tables, seq_lens, qs, 24) for be in builds)
+    assert torch.equal(avx2, native)
+    ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
+                              D ** -0.5, sliding_window=24)
+    torch.testing.assert_close(avx2, ref, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 24])

@@ -25,7 +25,23 @@
 #define TB 4            /* blocks per key tile */
 #define TK (TB * BS)    /* keys per tile, the online softmax's step */
 #define QT 16           /* query positions per work unit of a prefill chunk */
-#define RQ 6            /* rows of a score tile: RQ x TB accumulators */
+/* Register tiles, by the registers there are: 32 zmm hold 16 vectors of 16 floats, AVX2's 16
+ * ymm hold 8 (simd.h's vectors are ymm pairs there). Spilled accumulators made AVX2's
+ * attention about twice as slow. The tiles only share loads: each score and each output
+ * lane is the same chain of operations whatever tile computes it, so the bits do not move. */
+#if defined(__AVX512F__)
+#define RQ 6            /* rows of a score tile: RQ x UB accumulators */
+#define UB TB           /* blocks of a score tile */
+#define VT 16           /* vectors of a values tile (rows x vectors of the head) */
+#define VR 4            /* its most rows */
+#define VC 16           /* its most vectors of the head */
+#else
+#define RQ 6
+#define UB 1
+#define VT 6
+#define VR 3
+#define VC 2
+#endif
 
 INLINE float exp1(float x) {
     float o[16];
@@ -50,28 +66,31 @@ INLINE vf kv_load(const char *p, int64_t i, const int half) {
     return half ? vf_load_f16((const uint16_t *)p + i) : vf_load((const float *)p + i);
 }
 
-/* s[i][0..TK) = q_i . k over d = 0, 1, ..., D - 1, for rq rows and the tile's blocks */
+/* s[i][0..TK) = q_i . k over d = 0, 1, ..., D - 1, for rq rows and the tile's blocks, UB
+ * blocks at a time */
 INLINE void scores(const float *const *qr, const char *const *kt, int64_t D, float *s,
                    const int rq, const int half) {
-    vf acc[RQ][TB];
-    for (int i = 0; i < rq; i++)
-        for (int u = 0; u < TB; u++) acc[i][u] = vf_zero();
-    for (int64_t d = 0; d < D; d++) {
-        vf kv[TB];
-        for (int u = 0; u < TB; u++) kv[u] = kv_load(kt[u], d * BS, half);
-        for (int i = 0; i < rq; i++) {
-            const vf qb = vf_set1(qr[i][d]);
-            for (int u = 0; u < TB; u++) acc[i][u] = vf_fma(qb, kv[u], acc[i][u]);
+    for (int u0 = 0; u0 < TB; u0 += UB) {
+        vf acc[RQ][UB];
+        for (int i = 0; i < rq; i++)
+            for (int u = 0; u < UB; u++) acc[i][u] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            vf kv[UB];
+            for (int u = 0; u < UB; u++) kv[u] = kv_load(kt[u0 + u], d * BS, half);
+            for (int i = 0; i < rq; i++) {
+                const vf qb = vf_set1(qr[i][d]);
+                for (int u = 0; u < UB; u++) acc[i][u] = vf_fma(qb, kv[u], acc[i][u]);
+            }
         }
+        for (int i = 0; i < rq; i++)
+            for (int u = 0; u < UB; u++) vf_store(s + i * TK + (u0 + u) * BS, acc[i][u]);
     }
-    for (int i = 0; i < rq; i++)
-        for (int u = 0; u < TB; u++) vf_store(s + i * TK + u * BS, acc[i][u]);
 }
 
 /* o_i[c0 .. c0 + cv) = alpha_i * o_i + sum over the tile's keys j, in order, of p_i[j] v_j */
 INLINE void values(float *o, int64_t D, const float *p, const float *alpha,
                    const char *const *vb, int64_t c0, const int rp, const int cv, const int half) {
-    vf acc[4][16];
+    vf acc[VR][VT];
     for (int i = 0; i < rp; i++) {
         const vf a = vf_set1(alpha[i]);
         for (int c = 0; c < cv; c++) acc[i][c] = vf_mul(vf_load(o + i * D + (c0 + c) * 16), a);
@@ -97,23 +116,28 @@ static void scores_any(const float *const *qr, const char *const *kt, int64_t D,
     }
 }
 
-/* rows [r0, r0 + n) of the unit through `values`, in register tiles of up to 16 vectors */
+/* rows [r0, r0 + n) of the unit through `values`, in register tiles of up to VT vectors */
 static void values_rows(float *acc, int64_t D, const float *ps, const float *alpha,
                         const char *const *vb, int64_t r0, int64_t n, int half) {
     const int64_t nv = D / 16;
-    const int cv = nv < 16 ? (int)nv : 16;
-    const int rp = 16 / cv < 4 ? 16 / cv : 4;
+    const int cv = nv < VC ? (int)nv : VC;
+    const int rp = VT / cv < VR ? VT / cv : VR;
     for (int64_t r = r0; r < r0 + n; r += rp) {
         const int k = (int)(r0 + n - r < rp ? r0 + n - r : rp);
         for (int64_t c0 = 0; c0 < nv; c0 += cv) {
             float *o = acc + r * D;
             const float *p = ps + r * TK, *a = alpha + r;
-#define V(rp_, cv_) if (k == rp_ && cv == cv_) { \
+            const int cw = (int)(nv - c0 < cv ? nv - c0 : cv); /* the last may be narrower */
+#define V(rp_, cv_) if (k == rp_ && cw == cv_) { \
                 if (half) values(o, D, p, a, vb, c0, rp_, cv_, 1); \
                 else values(o, D, p, a, vb, c0, rp_, cv_, 0); \
                 continue; \
             }
+#if VT == 16
             V(4, 4) V(3, 4) V(2, 4) V(1, 4) V(2, 8) V(1, 8) V(1, 16)
+#else
+            V(3, 2) V(2, 2) V(1, 2)
+#endif
 #undef V
             for (int i = 0; i < k; i++)  /* other head sizes: one vector at a time */
                 for (int64_t c = c0; c < nv && c < c0 + cv; c++)

@@ -83,6 +83,16 @@ INLINE vi dot(const int type, vi acc, vi q, vi x) {
     return type == Q8_0 ? vi_dot_u8s8(acc, vi_abs8(q), vi_sign8(x, q)) : vi_dot_u8s8(acc, q, x);
 }
 
+/* Without VNNI the quads' 16-bit pair sums add up before one madd widens them: all four of
+ * a run's where the quants are at most 31 (4 x 31 x 127 x 2 < 32768), each pair of quads
+ * for Q6_K's (2 x 63 x 127 x 2), none for Q8_0's (the maddubs of one already nears the
+ * limit). The integer sums are the same, so are the bits. */
+#if defined(__AVX512VNNI__)
+#define WIDE_QUADS(type) 0
+#else
+#define WIDE_QUADS(type) ((type) == Q8_0 ? 0 : (type) == Q6_K ? 2 : 4)
+#endif
+
 #if defined(__AVX512F__)
 #define MR8 4 /* rows of a tile */
 #define NG8 8 /* the most groups of a tile */
@@ -111,9 +121,9 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
             for (int64_t off = 0; off < sbb * 32 / sbl; off += 64)
                 __builtin_prefetch(w + (2 * ng + j) * gb + at + off);
         for (int h = 0; h < 2; h++) {
-            vi isum[MR8][NG8];
+            vi isum[MR8][NG8], p16[MR8][NG8];
             for (int i = 0; i < mr; i++)
-                for (int j = 0; j < ng; j++) isum[i][j] = vi_set1(0);
+                for (int j = 0; j < ng; j++) isum[i][j] = p16[i][j] = vi_set1(0);
             for (int s = 4 * h; s < 4 * h + 4; s += 2) {
                 vi x0[MR8], x1[MR8];
                 for (int i = 0; i < mr; i++) {
@@ -125,10 +135,23 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
                 for (int j = 0; j < ng; j++) {
                     vi q0, q1;
                     quads(type, &sp[j], s, &q0, &q1);
-                    for (int i = 0; i < mr; i++)
-                        isum[i][j] = dot(type, dot(type, isum[i][j], q0, x0[i]), q1, x1[i]);
+                    for (int i = 0; i < mr; i++) {
+                        if (!WIDE_QUADS(type)) {
+                            isum[i][j] = dot(type, dot(type, isum[i][j], q0, x0[i]), q1, x1[i]);
+                            continue;
+                        }
+                        p16[i][j] = vi_add16(vi_add16(p16[i][j], vi_pairs16_u8s8(q0, x0[i])),
+                                             vi_pairs16_u8s8(q1, x1[i]));
+                        if (WIDE_QUADS(type) == 2) {
+                            isum[i][j] = vi_widen16(isum[i][j], p16[i][j]);
+                            p16[i][j] = vi_set1(0);
+                        }
+                    }
                 }
             }
+            if (WIDE_QUADS(type) == 4)
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < ng; j++) isum[i][j] = vi_widen16(isum[i][j], p16[i][j]);
             for (int j = 0; j < ng; j++) {
                 const vf scale = sp[j].scale[type == Q6_K ? h : 0];
                 const vf off = affine ? sp[j].off : vf_mul(vf_set1((float)-sp[j].bias), scale);

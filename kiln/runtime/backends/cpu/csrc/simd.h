@@ -87,6 +87,12 @@ INLINE vi vi_dot_u8s8(vi acc, vi u, vi s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
+/* Without VNNI, a dot product is three instructions (maddubs, madd, add); these let a caller
+ * add several quads' 16-bit pair sums before the one madd that widens them, where the
+ * operands bound the sums (pairs16 of u <= 63 and |s| <= 127 is at most 16002 a lane). */
+INLINE vi vi_pairs16_u8s8(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
+INLINE vi vi_add16(vi a, vi b) { return _mm512_add_epi16(a, b); }
+INLINE vi vi_widen16(vi acc, vi p) { return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1))); }
 /* |w| bytewise, and s negated where w < 0: a signed x signed product as u8 x s8 */
 INLINE vi vi_abs8(vi w) { return _mm512_abs_epi8(w); }
 INLINE vi vi_sign8(vi s, vi w) {
@@ -195,6 +201,13 @@ INLINE vi vi_dot_u8s8(vi acc, vi u, vi s) {
     const __m256i one = _mm256_set1_epi16(1);
     return VI2(_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(u.lo, s.lo), one)),
                _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(u.hi, s.hi), one)));
+}
+INLINE vi vi_pairs16_u8s8(vi u, vi s) { return VI2(_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)); }
+INLINE vi vi_add16(vi a, vi b) { return VI2(_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)); }
+INLINE vi vi_widen16(vi acc, vi p) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return VI2(_mm256_add_epi32(acc.lo, _mm256_madd_epi16(p.lo, one)),
+               _mm256_add_epi32(acc.hi, _mm256_madd_epi16(p.hi, one)));
 }
 INLINE vi vi_abs8(vi w) { return VI2(_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)); }
 INLINE vi vi_sign8(vi s, vi w) { return VI2(_mm256_sign_epi8(s.lo, w.lo), _mm256_sign_epi8(s.hi, w.hi)); }
