@@ -207,6 +207,19 @@ def test_int8_rows_give_the_same_bits_whatever_the_batch_threads_and_isa(qtype):
         assert torch.equal(_int8([src], flags=("-mno-avx512f",))(x), full)
 
 
+def test_int8_rows_of_a_part_no_cache_holds_give_the_same_bits_at_any_batch():
+    """Such a part (an LM head: over 8 MB) takes tiles of one group up to 31 rows and of
+    several from 32: the rows' bits are the same either way."""
+    src = _source(Q.Q8_0, 16384, 512, 8)  # 8.9 MB packed
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((40, 512), np.float32))
+    linear = _int8([src])
+    full = linear(x)
+    for rows in (slice(0, 1), slice(3, 8), slice(10, 41)):
+        assert torch.equal(linear(x[rows].contiguous()), full[rows])
+    if HAS_AVX512:
+        assert torch.equal(_int8([src], flags=("-mno-avx512f",))(x[:5].contiguous()), full[:5])
+
+
 def test_int8_leaves_float_weights_and_ragged_k_on_the_fp32_products():
     assert not CpuBackend(int8_products=True).linear([_source(Q.F16, 32, 512, 0)]).int8
     mixed = [_source(Q.Q8_0, 16, 256, 0), _source(Q.F32, 16, 256, 1)]

@@ -93,15 +93,22 @@ INLINE vi dot(const int type, vi acc, vi q, vi x) {
 #define WIDE_QUADS(type) ((type) == Q8_0 ? 0 : (type) == Q6_K ? 2 : 4)
 #endif
 
+/* Groups of a tile. Where a tile reads its weights from memory once (up to 3 rows of x, or
+ * a part no cache holds and fewer than 32 rows), one group at a time: a thread then reads one
+ * stream, where a tile of several groups read as many, a group's bytes apart (the LM head at
+ * one row: 33 against 20 GB/s, bench/README.md). Otherwise several groups, whose loads the
+ * rows' dot products share. Which tile computes an output never changes its bits. */
+#define BIG_PART (8 << 20) /* bytes: more than the L3 share a core of ours gets */
 #if defined(__AVX512F__)
 #define MR8 4 /* rows of a tile */
-#define NG8 8 /* the most groups of a tile */
-INLINE int groups_for(int64_t M) { return M <= 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : 3; }
+#define NG8 3 /* the most groups of a tile */
 #else
 #define MR8 1
 #define NG8 2
-INLINE int groups_for(int64_t M) { return (void)M, 2; }
 #endif
+INLINE int groups_for(int64_t M, int64_t part_bytes) {
+    return M <= 3 || (M < 32 && part_bytes >= BIG_PART) ? 1 : NG8;
+}
 
 /* y[i][16 ng] for the mr rows of x from i0 and ng whole groups of w: the integer and fp32
  * accumulators of the tile stay in registers */
@@ -181,10 +188,9 @@ static void tile_any(int type, const xq8 *x, int64_t i0, const uint8_t *w, int64
         tile_t(t, x, i0, w, gb, y, ldy, m, g, nlast, prefetch_groups); \
         return;
 #if MR8 == 4
-#define X(t) S(t, 1, 8) S(t, 2, 6) S(t, 3, 4) S(t, 4, 3) S(t, 1, 3) S(t, 2, 3) S(t, 3, 3) \
-             S(t, 1, 1) S(t, 2, 1) S(t, 3, 1) S(t, 4, 1)
+#define X(t) S(t, 1, 3) S(t, 2, 3) S(t, 3, 3) S(t, 4, 3) S(t, 1, 1) S(t, 2, 1) S(t, 3, 1) S(t, 4, 1)
 #else
-#define X(t) S(t, 1, 2) S(t, 1, 1)
+#define X(t) S(t, 1, NG8) S(t, 1, 1)
 #endif
     switch (type * 64 + mr * 8 + ng - 9) {
     I8_TYPES(X)
@@ -220,7 +226,7 @@ static void part_range(const void *ctx, const kiln_part *part, int64_t g0, int64
     const int type = (int)part->type;
     const int64_t M = a->M, N = part->rows, ldy = a->ldy;
     const int64_t gb = kiln_group_bytes(type, a->xq.K);
-    const int full = groups_for(M);
+    const int full = groups_for(M, gb * ((N + 15) / 16));
     float *y = a->y + part->col0;
     for (int64_t m0 = 0; m0 < M; m0 += MC8) {
         const int64_t m1 = m0 + MC8 < M ? m0 + MC8 : M;
