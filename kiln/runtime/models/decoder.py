@@ -37,8 +37,6 @@ class DecoderModel:
                  final_norm: torch.Tensor, lm_head):
         self.cfg, self.backend = cfg, backend
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def forward(
         self,
@@ -57,11 +55,9 @@ class DecoderModel:
         # for the next sublayer (Gemma's norm of that output too): one kernel on the GPU.
         x = be.rms_norm(h, self.layers[0].attn_norm, eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = layer.qkv(x)
-            # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart.
-            q = qkv[:, :self.q_size].view(T, H, D)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, KVH, D)
-            v = qkv[:, self.q_size + self.kv_size:].view(T, KVH, D)
+            # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart
+            # (one view and one split: half the host time of three slices and views).
+            q, k, v = layer.qkv(x).view(T, H + 2 * KVH, D).split((H, KVH, KVH), dim=1)
             qk_norm = (layer.q_norm, layer.k_norm, eps) if layer.q_norm is not None else None
             attn = be.attention(q, k, v, kv_cache, meta, positions, layer.rope, cfg.attn_scale,
                                 layer.sliding_window, qk_norm)
