@@ -5,14 +5,18 @@
 
 Models are random-weight GGUFs written here with the default model's shapes (smollm2:135m)
 and one 1B-class shape (Llama 3.2 1B's), so nothing is downloaded. Sections:
-  correctness: CUDA logits (fp32 and bf16) against the CPU torch reference on the same file;
+  correctness: CUDA logits (fp32 and bf16, kiln's batch-invariant products and cuBLAS's)
+    against the CPU torch reference on the same file; 8 replies (greedy and seeded) alone,
+    inside a batch of 256 and cached, bit for bit (bench/gpu_invariance.py);
     attention at batch 256 x 4k context and at one 32k-token sequence against
     paged_attention_ref; the fused sampler's tokens against sample_ref, and its draws'
     distribution against the filtered softmax;
   timing (triton.testing.do_bench): decode attention GB/s against the H200's 4.8 TB/s; the
-    fused sampler against a sort-based torch sampler at batch 256 x vocab 151,936; engine
-    decode steps (no HTTP) at batch 1/16/64/256, with and without CUDA graphs; host syncs per
-    step (torch's sync debug mode) and kernels compiled after load (should be 0).
+    fused sampler against a sort-based torch sampler at batch 256 x vocab 151,936; the
+    batch-invariant products against cuBLAS's at decode and prefill shapes; engine decode
+    steps (no HTTP) at batch 1/16/64/256, with and without CUDA graphs, with either
+    products; host syncs per step (torch's sync debug mode) and kernels compiled after load
+    (should be 0).
 A dry run does every step at toy sizes on the CPU: it shows the script works, not a figure.
 """
 
@@ -37,6 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from bench.gpu_invariance import check_engine, check_products  # noqa: E402
 from kiln.kernels.attention import paged_attention  # noqa: E402
 from kiln.kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kiln.kernels.sampling import (  # noqa: E402
@@ -138,12 +143,14 @@ def write_gguf(path: Path, shape, seed: int = 0) -> Path:
     return path
 
 
-def build(path: Path, device: str, dtype: torch.dtype, use_triton: bool = True) -> LoadedModel:
+def build(path: Path, device: str, dtype: torch.dtype, use_triton: bool = True,
+          batch_invariant: bool = False) -> LoadedModel:
     """The model on DenseBackend: Triton attention (on CUDA, or the interpreter in a dry
-    run), or (use_triton=False, the reference) torch's."""
+    run), or (use_triton=False, the reference) torch's; with batch_invariant, kiln's
+    products (kiln serve's default on CUDA), otherwise cuBLAS's."""
     gf = open_gguf(path)
     cfg = llama.read_config(gf)
-    backend = DenseBackend(device, dtype, use_triton=use_triton)
+    backend = DenseBackend(device, dtype, use_triton=use_triton, batch_invariant=batch_invariant)
     return LoadedModel(path.stem, path, None, cfg, tokenizer=None, chat_template=None,
                        model=llama.build(cfg, gf, backend), load_seconds=0.0)
 
@@ -177,11 +184,14 @@ def check_logits(path: Path, device: str) -> None:
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 8e-2)):
         if DRY and dtype == torch.bfloat16:
             continue  # bf16 products on the CPU are what --dtype bfloat16 tests cover
-        got = prompt_logits(build(path, device, dtype), tokens)
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        line(f"logits {str(dtype)[6:]} vs CPU reference: max err / max |logit|", err,
-             "", f"top-1 agreement {top1:.1%}  {'ok' if err < tol else 'FAIL'} (< {tol})")
+        for invariant in (True, False):
+            got = prompt_logits(build(path, device, dtype, batch_invariant=invariant), tokens)
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            products = "invariant" if invariant else "cuBLAS"
+            line(f"logits {str(dtype)[6:]} {products} vs CPU reference: max err / max |logit|",
+                 err, "", f"top-1 agreement {top1:.1%}  {'ok' if err < tol else 'FAIL'} "
+                 f"(< {tol})")
 
 
 def paged_batch(num_seqs, context, query_len, heads, kv_heads, head_dim, dtype, device,
@@ -467,18 +477,24 @@ def check_serving(path: Path, device: str) -> None:
         log.close()
 
 
-_LOADED: dict[tuple[Path, str], LoadedModel] = {}
+_LOADED: dict[tuple[Path, str, bool], LoadedModel] = {}
 
 
-def time_engine(path: Path, device: str, label: str, batches, graphs: bool) -> None:
-    """Engine steps without HTTP: the prefill of B 128-token prompts, then decode steps."""
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    if (path, device) not in _LOADED:
+def loaded_model(path: Path, device: str, invariant: bool) -> LoadedModel:
+    """One model at a time in memory: the last one asked for."""
+    if (path, device, invariant) not in _LOADED:
         _LOADED.clear()
-        _LOADED[path, device] = build(path, device, dt)
-    loaded = _LOADED[path, device]
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+        _LOADED[path, device, invariant] = build(path, device, dt, batch_invariant=invariant)
+    return _LOADED[path, device, invariant]
+
+
+def time_engine(path: Path, device: str, label: str, batches, graphs: bool,
+                invariant: bool) -> None:
+    """Engine steps without HTTP: the prefill of B 128-token prompts, then decode steps."""
+    loaded = loaded_model(path, device, invariant)
     compiled_after_load = []
-    mode = "graphs" if graphs else "eager"
+    mode = ("graphs" if graphs else "eager") + (" invariant" if invariant else " cuBLAS")
     config = EngineConfig(ctx_len=1024 if DRY else 4096, prefill_chunk_len=2048,
                           kv_cache_tokens=max(batches) * 256 + 4096,
                           max_num_seqs=max(batches), device=device, use_triton=True,
@@ -559,14 +575,21 @@ def main() -> int:
         if args.sampler_sweep:
             section("sampler sweep", sweep_sampler, device)
         batches = (1, 16, 64, 256) if not DRY else (1, 3)
+        section("products", check_products, device, DRY, line, bench)
         section("serving", check_serving, paths["smollm2-135m"], device)
-        for graphs in (True, False):
-            section(f"engine smollm2-135m graphs={graphs}", time_engine,
-                    paths["smollm2-135m"], device, "smollm2-135m", batches, graphs)
+        for invariant in (True, False):
+            section(f"replies alone, batched, cached, invariant={invariant}", lambda i=invariant:
+                    check_engine(loaded_model(paths["smollm2-135m"], device, i), device, DRY,
+                                 line))
+        # kiln serve's default (graphs, batch-invariant products), cuBLAS's products beside
+        # it, and eager steps
+        for graphs, invariant in ((True, True), (True, False), (False, True)):
+            section(f"engine smollm2-135m graphs={graphs} invariant={invariant}", time_engine,
+                    paths["smollm2-135m"], device, "smollm2-135m", batches, graphs, invariant)
         if "llama-1b" in paths:
-            for graphs in (True, False):
-                section(f"engine llama-1b graphs={graphs}", time_engine, paths["llama-1b"],
-                        device, "llama-1b", (1, 64), graphs)
+            for invariant in (True, False):
+                section(f"engine llama-1b graphs=True invariant={invariant}", time_engine,
+                        paths["llama-1b"], device, "llama-1b", (1, 64), True, invariant)
     line("total", time.perf_counter() - T0, "s", f"failed sections: {', '.join(FAILED)}"
          if FAILED else "every section ran")
     return 1 if FAILED else 0

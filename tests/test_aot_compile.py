@@ -38,6 +38,7 @@ CHECK = textwrap.dedent("""
     from kiln.kernels.attention import paged_attention
     from kiln.kernels.activation import act_mul
     from kiln.kernels.kv_cache import rope_store_kvcache
+    from kiln.kernels.matmul import matmul
     from kiln.kernels.rms_norm import add_rms_norm, rms_norm
     from kiln.kernels.sampling import sample
     from kiln.kernels.sampling_metadata import SamplingMetadata
@@ -69,6 +70,10 @@ CHECK = textwrap.dedent("""
             rms_norm(h, w, 1e-6)
             add_rms_norm(h, h.clone(), w, 1e-6, w)
             act_mul(torch.zeros((T, 2 * shapes.intermediate_size), dtype=dt), "gelu_tanh")
+            # the products at any row count: the gate and up projections, the LM head
+            for outputs in (2 * shapes.intermediate_size, V):
+                matmul(torch.zeros((T, shapes.hidden_size), dtype=dt),
+                       torch.empty((outputs, shapes.hidden_size), dtype=dt))
             angles = torch.zeros((2, D // 2))
             for window in shapes.sliding_windows:
                 rope_store_kvcache(q, k, v, cache, cache, torch.zeros(T, dtype=torch.int64),

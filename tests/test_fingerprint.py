@@ -5,7 +5,11 @@ does. (Every reply carrying it: test_api_streaming.py.)"""
 import hashlib
 import re
 
+import pytest
+import torch
+
 from kiln.runtime.backends.cpu.backend import CpuBackend
+from kiln.runtime.backends.dense import DenseBackend
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine
 from kiln.runtime.engine.fingerprint import system_fingerprint
 from kiln.runtime.store.catalogue import lookup
@@ -28,6 +32,18 @@ def test_each_cpu_kernel_variant_has_its_own_numerics():
     assert CpuBackend(threads=1).numerics == CpuBackend(threads=3).numerics
 
 
+def test_the_gpu_paths_products_are_named():
+    # cuBLAS's products follow the batch, the batch-invariant ones do not: not the same bits
+    invariant = DenseBackend("cpu", torch.bfloat16, use_triton=True, batch_invariant=True)
+    plain = DenseBackend("cpu", torch.bfloat16, use_triton=True)
+    assert invariant.numerics.endswith(", batch-invariant products")
+    assert plain.numerics != invariant.numerics
+    assert DenseBackend("cpu", torch.float16, use_triton=True, batch_invariant=True).numerics \
+        != invariant.numerics
+    with pytest.raises(ValueError, match="use_triton"):
+        DenseBackend("cpu", batch_invariant=True)
+
+
 def test_the_engine_config_carries_the_dtypes_numerics():
     auto = build_engine("smollm2:135m", EngineOptions(ctx_len=512))[1].config.numerics
     fp32 = build_engine("smollm2:135m", EngineOptions(ctx_len=512, dtype="float32")
@@ -44,3 +60,12 @@ def test_weights_are_named_by_their_sha256(smollm2_gguf, tmp_path):
     assert weights_sha256(f, None) == hashlib.sha256(f.read_bytes()).hexdigest()
     f.write_bytes(b"GGUF" + bytes(1000))  # a file changed in place is read again
     assert weights_sha256(f, None) == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_serve_takes_no_batch_invariant():
+    from kiln.api.cli import build_parser, engine_options
+
+    parser = build_parser()
+    assert engine_options(parser.parse_args(["serve", "smollm2:135m"])).batch_invariant
+    assert not engine_options(parser.parse_args(
+        ["serve", "smollm2:135m", "--no-batch-invariant"])).batch_invariant

@@ -14,10 +14,15 @@ def test_gpu_check_dry_run_passes_every_check():
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "FAIL" not in out, out
-    for section in ("logits float32 vs CPU reference", "attention batch", "tokens equal to "
-                    "sample_ref", "vs filtered softmax", "attention decode", "fused sampler",
-                    "decode step smollm2-135m batch 3 graphs", "batch 3 eager",
+    for section in ("logits float32 invariant vs CPU reference", "logits float32 cuBLAS vs",
+                    "attention batch", "tokens equal to sample_ref", "vs filtered softmax",
+                    "attention decode", "fused sampler", "product 37 x 200 x 128",
+                    "a row's bits alone and in 37 rows, batch-invariant",
+                    "replies alone vs cached, batch-invariant",
+                    "decode step smollm2-135m batch 3 graphs invariant",
+                    "batch 3 graphs cuBLAS", "batch 3 eager invariant",
                     "serving: greedy chat, whole vs streamed", "serving: SIGTERM", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
-    # logits, two attention cases, two sampler checks, four serving checks
-    assert out.count(" ok") == 9, out
+    # logits (two products), two attention cases, two sampler checks, two products' rows,
+    # four replies' comparisons, four serving checks
+    assert out.count(" ok") == 16, out

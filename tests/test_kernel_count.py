@@ -107,7 +107,9 @@ def decode_step_kernels(path) -> KernelCount:
     """The kernels of one decode step of two sequences (forward and LM head)."""
     gf = open_gguf(path)
     family = ARCHITECTURES[gf.arch]
-    model = family.build(family.read_config(gf), gf, DenseBackend("cpu", use_triton=True))
+    # the products as kiln serve runs them on CUDA by default: the batch-invariant matmul
+    model = family.build(family.read_config(gf), gf,
+                         DenseBackend("cpu", use_triton=True, batch_invariant=True))
     cfg = model.cfg
     num_blocks = 2 * CTX // BLOCK_SIZE
     kv = [model.backend.kv_cache(num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)

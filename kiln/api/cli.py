@@ -84,7 +84,8 @@ def engine_options(args):
                          dtype=args.dtype,
                          int8_activations=args.int8_activations,
                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
-                         enforce_eager=getattr(args, "enforce_eager", False))
+                         enforce_eager=getattr(args, "enforce_eager", False),
+                         batch_invariant=getattr(args, "batch_invariant", True))
 
 
 def cmd_pull(args) -> int:
@@ -246,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly, without the CUDA graphs captured "
                             "at load")
+    serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                       help="CUDA: products whose reduction order never follows the batch "
+                            "(kiln's Triton matmul), so a seeded or greedy reply has the same "
+                            "bits alone or beside others (default); --no-batch-invariant: "
+                            "cuBLAS's, which picks its kernel by the batch's size")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds running requests may take to finish before "
                             "they are ended (finish_reason \"abort\"); new requests get 503")

@@ -37,7 +37,7 @@ SHAPES = {
     "smollm2:135m": KernelShapes(9, 3, 64, 49152, 576, 1536, 64),
     "gemma3:270m": KernelShapes(4, 1, 256, 262144, 640, 2048, 256, "gelu_tanh", qk_norm=True,
                                 sandwich_norms=True, sliding_windows=(0, 512)),
-    "qwen2.5-coder:0.5b": KernelShapes(14, 2, 64, 151936, 896, 4864, 64),
+    "qwen2.5-coder:0.5b": KernelShapes(14, 2, 64, 151936, 896, 4864, 64, qkv_bias=True),
     "llama-1b": KernelShapes(32, 8, 64, 128256, 2048, 8192, 64),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

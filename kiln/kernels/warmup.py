@@ -4,7 +4,7 @@ Run once at load on CUDA, so that no reply stalls every stream on a mid-step com
 ahead-of-time compile test (kernels/aot.py) records the same launches and compiles them for
 sm_90 and sm_80 on the CPU. A variant is fixed by the constexprs and the specialisations of
 the arguments the launchers do not mark do_not_specialize: the model's shapes, the dtype,
-and per kernel a few features (sliding window, split-KV, penalties, grammar).
+and per kernel a few features (sliding window, split-KV, penalties, grammar, a bias).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kiln.kernels import BLOCK_SIZE
 from kiln.kernels.activation import act_mul
 from kiln.kernels.attention import PARTITION_SIZE, paged_attention
 from kiln.kernels.kv_cache import rope_store_kvcache
+from kiln.kernels.matmul import matmul
 from kiln.kernels.rms_norm import add_rms_norm, rms_norm
 from kiln.kernels.sampling import sample
 from kiln.kernels.sampling_metadata import SamplingMetadata
@@ -39,6 +40,7 @@ class KernelShapes:
     sandwich_norms: bool = False  # a norm of each sublayer's output too (Gemma)
     sliding_windows: tuple[int, ...] = (0,)  # the distinct windows of its layers; 0 = none
     block_size: int = BLOCK_SIZE
+    qkv_bias: bool = False  # Qwen2's
 
     @staticmethod
     def of(model) -> KernelShapes:
@@ -48,12 +50,36 @@ class KernelShapes:
         return KernelShapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
                             cfg.hidden_size, cfg.intermediate_size, cfg.rotary_dim,
                             cfg.activation, layer.q_norm is not None,
-                            layer.post_attn_norm is not None, tuple(windows))
+                            layer.post_attn_norm is not None, tuple(windows),
+                            qkv_bias=layer.qkv.bias is not None)
+
+
+def _product_launches(shapes: KernelShapes, dtype: torch.dtype, device: torch.device | str
+                      ) -> list[tuple[str, Callable[[], None]]]:
+    """kernels/matmul.py at each weight's (outputs, inputs): Q, K and V together (with
+    Qwen2's bias), the attention's output, gate and up together, down, the LM head."""
+    H, KVH, D = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    hidden, inter = shapes.hidden_size, shapes.intermediate_size
+    weights = [("qkv", (H + 2 * KVH) * D, hidden, shapes.qkv_bias), ("o", hidden, H * D, False),
+               ("gate_up", 2 * inter, hidden, False), ("down", hidden, inter, False),
+               ("lm_head", shapes.vocab_size, hidden, False)]
+
+    def product(n: int, k: int, bias: bool):
+        def launch():
+            # empty: a launch reads only the shapes (and the LM head's are large)
+            w = torch.empty((n, k), dtype=dtype, device=device)
+            b = torch.zeros(n, dtype=dtype, device=device) if bias else None
+            matmul(torch.zeros((1, k), dtype=dtype, device=device), w, b)
+        return launch
+
+    return [(f"matmul {name}", product(n, k, bias)) for name, n, k, bias in weights]
 
 
 def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torch.dtype,
-                    device: torch.device | str) -> list[tuple[str, Callable[[], None]]]:
-    """(name, launch) for every variant: the norms and the gated activation; the KV store
+                    device: torch.device | str, batch_invariant: bool = True
+                    ) -> list[tuple[str, Callable[[], None]]]:
+    """(name, launch) for every variant: the batch-invariant products of each weight's
+    shape (where the backend uses them); the norms and the gated activation; the KV store
     (with QK-norm and RoPE) and attention at each window, split and not; the sampler with and
     without penalties and grammar."""
     H, KVH, D, bs = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size
@@ -61,7 +87,8 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
     norm_weight = torch.ones(shapes.hidden_size, dtype=torch.float32, device=device)
     gate_up = torch.zeros((1, 2 * shapes.intermediate_size), dtype=dtype, device=device)
     delta_weight = norm_weight if shapes.sandwich_norms else None
-    launches = [
+    launches = _product_launches(shapes, dtype, device) if batch_invariant else []
+    launches += [
         ("rms_norm", lambda: rms_norm(hidden, norm_weight, 1e-6)),
         ("add_rms_norm", lambda: add_rms_norm(hidden, hidden.clone(), norm_weight, 1e-6,
                                               delta_weight)),

@@ -67,10 +67,12 @@ def dtype_refusal(name: str, cuda: bool) -> str | None:
 
 def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
                  use_triton: bool = False, threads: int | None = None,
-                 int8_activations: bool = False, kv_fp16: bool = False):
+                 int8_activations: bool = False, kv_fp16: bool = False,
+                 batch_invariant: bool = False):
     """The CPU kernels where they run (fp32 or --dtype bfloat16 products on the CPU, or
     products on 8-bit activations; an fp32 or fp16 KV cache); otherwise torch on dense
-    weights. threads: the CPU kernels' (default: one per core)."""
+    weights (with batch_invariant, Triton's fixed-order products instead of cuBLAS's).
+    threads: the CPU kernels' (default: one per core)."""
     if torch.device(device).type == "cpu" and not use_triton:
         from kiln.runtime.backends.cpu import library
 
@@ -84,4 +86,4 @@ def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
                     "bits may follow its batch): %s", reason)
     from kiln.runtime.backends.dense import DenseBackend
 
-    return DenseBackend(device, dtype, use_triton)
+    return DenseBackend(device, dtype, use_triton, batch_invariant)

@@ -2,7 +2,8 @@
 under TRITON_INTERPRET, for the tests) everything between the products is kiln's Triton
 kernels: RMSNorm and the residual add fused with it, QK-norm + RoPE + the KV store, the gated
 activation, paged attention; otherwise their torch references, which also serve where the
-CPU kernels cannot be built.
+CPU kernels cannot be built. With `batch_invariant` (kiln serve's default on CUDA) the
+products are kernels/matmul.py's, whose tiles never follow the batch, instead of cuBLAS's.
 
 KV cache layout (kernels/__init__.py): [num_blocks, block_size, num_kv_heads, head_dim] for
 keys and values alike.
@@ -19,6 +20,7 @@ from kiln.kernels.activation import act_mul, act_mul_ref
 from kiln.kernels.attention import paged_attention
 from kiln.kernels.attention_ref import paged_attention_ref
 from kiln.kernels.kv_cache import rope_store_kvcache, rope_store_kvcache_ref
+from kiln.kernels.matmul import matmul
 from kiln.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
@@ -26,19 +28,20 @@ from kiln.runtime.store.gguf_file import WeightSource
 
 
 class DenseLinear:
-    __slots__ = ("weight", "bias")
+    __slots__ = ("weight", "bias", "product")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, product=F.linear):
         self.weight, self.bias = weight, bias  # [out, in], [out]
+        self.product = product  # F.linear, or kernels/matmul.py's batch-invariant one
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
 class DenseEmbedding:
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, product=F.linear):
         self.weight = weight  # [vocab, dim]
-        self.linear = DenseLinear(weight, None)
+        self.linear = DenseLinear(weight, None, product)  # a tied LM head
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
@@ -48,8 +51,12 @@ class DenseBackend:
     name = "dense"
 
     def __init__(self, device="cpu", dtype: torch.dtype = torch.float32,
-                 use_triton: bool = False):
+                 use_triton: bool = False, batch_invariant: bool = False):
+        if batch_invariant and not use_triton:
+            raise ValueError("the batch-invariant products are Triton kernels: use_triton")
         self.device, self.dtype, self.use_triton = torch.device(device), dtype, use_triton
+        self.batch_invariant = batch_invariant
+        self.product = matmul if batch_invariant else F.linear
         self.torch_threads = None  # torch's own choice
 
     @property
@@ -62,17 +69,19 @@ class DenseBackend:
             where += f" ({torch.cuda.get_device_name(self.device)}, sm_{major}{minor}, " \
                 f"CUDA {torch.version.cuda})"
         kernels = f", triton {triton.__version__}" if self.use_triton else ""
-        return f"dense: torch {torch.__version__} {str(self.dtype)[6:]} on {where}{kernels}"
+        products = ", batch-invariant products" if self.batch_invariant else ""
+        return f"dense: torch {torch.__version__} {str(self.dtype)[6:]} on {where}{kernels}" \
+            f"{products}"
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype).contiguous()
 
     def linear(self, sources: list[WeightSource], bias: np.ndarray | None = None) -> DenseLinear:
         weight = self._tensor(np.concatenate([s.dequantize() for s in sources]))
-        return DenseLinear(weight, None if bias is None else self._tensor(bias))
+        return DenseLinear(weight, None if bias is None else self._tensor(bias), self.product)
 
     def embedding(self, source: WeightSource) -> DenseEmbedding:
-        return DenseEmbedding(self._tensor(source.dequantize()))
+        return DenseEmbedding(self._tensor(source.dequantize()), self.product)
 
     def lm_head(self, embedding: DenseEmbedding | None, source: WeightSource | None):
         return self.linear([source]) if source is not None else embedding.linear

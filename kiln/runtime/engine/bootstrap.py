@@ -32,6 +32,9 @@ class EngineOptions:
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
+    # CUDA: products whose reduction order never follows the batch (kernels/matmul.py), so a
+    # seeded or greedy request's bits do not depend on its neighbours; False: cuBLAS's
+    batch_invariant: bool = True
     threads: int | None = None  # CPU kernels' threads; None: one per core (a cluster
     # replica takes the CPUs Ray gave it, so replicas sharing a machine do not oversubscribe)
     speculative: SpeculativeConfig | None = None  # --speculative: drafting; None: off
@@ -56,7 +59,8 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         int8 = not cuda and options.dtype == "auto"
     kv_fp16 = not cuda and options.dtype == "auto"  # llama.cpp's default KV cache type too
     loaded = load_model(model, device=device, use_triton=cuda, dtype=dtype,
-                        threads=options.threads, int8_activations=int8, kv_fp16=kv_fp16)
+                        threads=options.threads, int8_activations=int8, kv_fp16=kv_fp16,
+                        batch_invariant=cuda and options.batch_invariant)
     kv_itemsize = 2 if kv_fp16 else dtype.itemsize
     config = EngineConfig.build(
         loaded.ctx_len, loaded.max_prefill_len, ctx_len=options.ctx_len,

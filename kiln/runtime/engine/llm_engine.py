@@ -58,7 +58,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = self.loaded.model
         launches = warmup_launches(KernelShapes.of(model), model.backend.dtype,
-                                   model.logits_dtype, self.runner.device)
+                                   model.logits_dtype, self.runner.device,
+                                   model.backend.batch_invariant)
         for _, launch in launches:
             launch()
         torch.cuda.synchronize()

@@ -96,17 +96,18 @@ def describe_model(name: str) -> ModelInfo:
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                use_triton: bool = False, backend=None, threads: int | None = None,
-               int8_activations: bool = False, kv_fp16: bool = False) -> LoadedModel:
+               int8_activations: bool = False, kv_fp16: bool = False,
+               batch_invariant: bool = False) -> LoadedModel:
     """backend: where the model runs (runtime/backends); by default the CPU kernels on a
     CPU (bf16 products with dtype=torch.bfloat16, products on 8-bit activations with
     int8_activations, an fp16 KV cache with kv_fp16, on `threads` threads), torch on dense
-    weights otherwise."""
+    weights otherwise (Triton's batch-invariant products with batch_invariant)."""
     t0 = time.perf_counter()
     path, entry = resolve_model(name)
     gf = open_gguf(path)
     info = _read_info(name, path, entry, gf)
     backend = backend or make_backend(device, dtype, use_triton, threads, int8_activations,
-                                     kv_fp16)
+                                     kv_fp16, batch_invariant)
     try:
         model = ARCHITECTURES[gf.arch].build(info.config, gf, backend)
     except ValueError as exc:  # a tensor type no backend kernel reads, a bad shape
