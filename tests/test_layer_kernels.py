@@ -62,6 +62,20 @@ def test_rms_norm_and_the_fused_add_match_the_reference(n, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_norm_has_the_same_bits_alone_and_in_a_batch(dtype, device):
+    # batch invariance (README, "On a GPU"): one row per program, never a split reduction
+    h = randn(37, 896, dtype=dtype, device=device, scale=3.0)
+    delta = randn(37, 896, dtype=dtype, device=device, seed=1)
+    w = randn(896, dtype=torch.float32, device=device, seed=2)
+    full, fused = rms_norm(h, w, 1e-6), add_rms_norm(h.clone(), delta, w, 1e-6, w)
+    for i in (0, 20, 36):
+        assert torch.equal(rms_norm(h[i:i + 1], w, 1e-6), full[i:i + 1])
+        assert torch.equal(add_rms_norm(h[i:i + 1].clone(), delta[i:i + 1], w, 1e-6, w),
+                           fused[i:i + 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_of_each_head_in_place_on_a_strided_view(dtype, device):
     qkv = randn(9, 3 + 2 * 1, 128, dtype=dtype, device=device)
     w = randn(128, dtype=torch.float32, device=device, seed=4)
