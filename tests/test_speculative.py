@@ -191,6 +191,38 @@ def test_drafts_that_keep_missing_are_soon_hardly_made(smollm2):
     assert req.num_accepted_tokens == 0 and req.num_drafted_tokens <= 10, req.draft_pace
 
 
+def test_under_load_only_replies_drafting_cannot_change_stop_drafting(smollm2, copy_ids):
+    eng = engine(smollm2, SpeculativeConfig(disable_by_batch_size=1))
+    greedy = [make_request(eng, f"g{i}", copy_ids, GREEDY, max_tokens=24, ignore_eos=True)
+              for i in range(2)]
+    seeded = make_request(eng, "s", copy_ids, SamplingParams(temperature=0.5, seed=1),
+                          max_tokens=24, ignore_eos=True)
+    penalized = make_request(eng, "p", copy_ids, SamplingParams(temperature=0.0,
+                             repetition_penalty=1.05), max_tokens=24, ignore_eos=True)
+    biased = make_request(eng, "b", copy_ids, GREEDY, max_tokens=24, ignore_eos=True,
+                          logit_bias=((0, 1.0),))
+    # more than one running: the greedy ones never draft (a logit_bias is part of the
+    # model's choice drafts are checked against: drafting still changes nothing); the
+    # seeded and penalised ones draft as alone, by their pace, and end first
+    got = generate(eng, greedy + [biased, seeded, penalized])
+    assert [r.num_drafted_tokens for r in greedy + [biased]] == [0, 0, 0]
+    assert min(r.num_drafted_tokens for r in (seeded, penalized)) > 0
+    alone = make_request(eng, "a", copy_ids, GREEDY, max_tokens=24, ignore_eos=True)
+    assert generate(eng, [alone])["a"] == got["g0"] == got["g1"]  # the same reply ...
+    assert alone.num_accepted_tokens > 0  # ... drafted: one request running
+
+
+def test_the_load_limit_is_the_cpus_measured_one_unless_told():
+    def limit(device, spec):
+        return EngineConfig.build(4096, 512, device=device, speculative=spec).draft_batch_limit
+
+    assert limit("cpu", SPEC) == 8 and limit("cuda", SPEC) == 0 and limit("cpu", None) == 0
+    assert limit("cpu", SpeculativeConfig(disable_by_batch_size=0)) == 0
+    assert limit("cuda", SpeculativeConfig(disable_by_batch_size=32)) == 32
+    with pytest.raises(ValueError, match="disable-by-batch-size"):
+        SpeculativeConfig(disable_by_batch_size=-1)
+
+
 # --- the pieces, without the model ---
 
 def test_prompt_lookup_proposes_what_followed_the_latest_earlier_match():

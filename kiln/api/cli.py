@@ -48,7 +48,7 @@ def speculative_config(args):
     from kiln.runtime.drafting.config import SpeculativeConfig
 
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min,
-                             args.ngram_max)
+                             args.ngram_max, args.speculative_disable_by_batch_size)
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="with --speculative ngram: the shortest text end matched, in tokens")
     p.add_argument("--ngram-max", type=int, default=4,
                    help="with --speculative ngram: the longest, tried first")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="with --speculative: greedy requests without penalties (whose "
+                        "replies drafting cannot change) do not draft while more than this "
+                        "many requests run; others draft whatever the load. "
+                        "Default: 8 on the CPU (past it a step is bound by compute), no limit "
+                        "on CUDA; 0: no limit")
 
 
 def positive_int(text: str) -> int:

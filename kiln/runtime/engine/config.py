@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from kiln.runtime.drafting.config import SpeculativeConfig
 
+# Running requests past which greedy requests stop drafting on the CPU: 8-bit products bound
+# by compute from a few rows on; drafting editing prompts gained 1.34x at 4 streams, 1.20x
+# at 8, 1.00x at 16, where free writing lost 11 % (bench/results/20261207-spec-engine-rounds.txt)
+CPU_DRAFT_BATCH_LIMIT = 8
+
 
 def round_up_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -52,6 +57,16 @@ class EngineConfig:
         if self.max_num_batched_tokens < 0:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} must be "
                              "positive")
+
+    @property
+    def draft_batch_limit(self) -> int:
+        """Running requests past which those whose replies drafting cannot change do not
+        draft (0: no limit): --speculative-disable-by-batch-size, or the device's (the CPU's
+        from its measurement; none on CUDA, where nothing has measured one)."""
+        spec = self.speculative
+        if spec is None or spec.disable_by_batch_size is not None:
+            return spec.disable_by_batch_size if spec is not None else 0
+        return CPU_DRAFT_BATCH_LIMIT if self.device == "cpu" else 0
 
     @property
     def token_budget(self) -> int:

@@ -172,13 +172,19 @@ class LLMEngine:
     def _draft(self) -> None:
         """Drafts for the running requests caught up with their tokens, each as long as its
         pace, its max_tokens, the context and its chunk allow: all of them functions of the
-        request alone, so a seeded reply does not depend on its batch."""
+        request alone, so a seeded reply does not depend on its batch. The load decides only
+        for requests whose replies drafting cannot change (past draft_batch_limit running
+        requests, they do not draft)."""
         chunk, k_max = self.config.prefill_chunk_len, self.config.speculative.num_speculative_tokens
+        limit = self.config.draft_batch_limit
+        busy = limit and len(self.scheduler.running) > limit
         asking, lengths = [], []
         for req in self.scheduler.running:
             if req.spec_token_ids or not req.output_token_ids \
                     or req.num_computed_tokens != req.num_tokens - 1:
                 continue
+            if busy and req.drafts_change_nothing:
+                continue  # a step bound by compute: its drafts would save no work
             if req.draft_pace is None:
                 req.draft_pace = DraftPace(k_max)
             if req.draft_pace.position == req.num_tokens:

@@ -122,6 +122,14 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def drafts_change_nothing(self) -> bool:
+        """Greedy without penalties: a kept draft is the argmax of the raw logits with the
+        logit_bias added, which is what its sampler picks too (a grammar's or min_tokens'
+        refusal sends the position to the sampler), so its reply is the same with drafts or
+        without (contract.md)."""
+        return self.sampling.is_greedy and not self.sampling.has_penalties
+
     def waits_for_leader(self) -> bool:
         leader = self.prefill_leader
         return leader is not None and not leader.is_finished \
