@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from kiln.runtime.drafting.config import SpeculativeConfig
 
-# Running requests past which greedy requests stop drafting on the CPU: 8-bit products bound
-# by compute from a few rows on; drafting editing prompts gained 1.34x at 4 streams, 1.20x
-# at 8, 1.00x at 16, where free writing lost 11 % (bench/results/20261207-spec-engine-rounds.txt)
+# Running requests past which greedy requests stop drafting on the CPU, where a step of many
+# rows is bound by compute: drafting editing prompts gained 1.34x at 4 streams, 1.20x at 8,
+# 1.00x at 16, where free writing lost 11 % (bench/results/20261207-spec-engine-rounds.txt)
 CPU_DRAFT_BATCH_LIMIT = 8
 
 
@@ -64,8 +64,10 @@ class EngineConfig:
         draft (0: no limit): --speculative-disable-by-batch-size, or the device's (the CPU's
         from its measurement; none on CUDA, where nothing has measured one)."""
         spec = self.speculative
-        if spec is None or spec.disable_by_batch_size is not None:
-            return spec.disable_by_batch_size if spec is not None else 0
+        if spec is None:
+            return 0
+        if spec.disable_by_batch_size is not None:
+            return spec.disable_by_batch_size
         return CPU_DRAFT_BATCH_LIMIT if self.device == "cpu" else 0
 
     @property
