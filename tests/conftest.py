@@ -64,6 +64,17 @@ def run_to_completion(engine, requests):
     return out
 
 
+def run_with_logprobs(engine, requests) -> dict[str, list[tuple[int, float]]]:
+    """Step until the requests (which ask for logprobs) finish: {request_id: [(token id,
+    its logprob), ...]}."""
+    for r in requests:
+        engine.add_request(r)
+    out = {r.request_id: [] for r in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
+    return out
+
 
 def make_request(engine, request_id: str, prompt, sampling, *, grammar=None,
                  grammar_prefix: str = "", prefill_leader: str | None = None, **options):

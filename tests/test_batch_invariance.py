@@ -5,7 +5,7 @@ path in the interpreter on a tiny random llama (as tests/test_triton_runtime.py)
 torch's CPU GEMMs, like cuBLAS, round a row by its batch."""
 
 import pytest
-from conftest import make_request
+from conftest import make_request, run_with_logprobs
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.dense import DenseBackend
@@ -44,12 +44,7 @@ def _requests(engine, tag):
 
 def _run(engine, requests) -> dict[int, list[tuple[int, float]]]:
     """{request's index: [(token id, its logprob), ...]}"""
-    for r in requests:
-        engine.add_request(r)
-    out = {r.request_id: [] for r in requests}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
+    out = run_with_logprobs(engine, requests)
     assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
     return {int(rid[1:]): tokens for rid, tokens in out.items()}
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_request, run_to_completion
+from conftest import make_request, run_to_completion, run_with_logprobs
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.cpu.backend import CpuBackend
@@ -60,25 +60,14 @@ def _requests(engine, tag):
                          ignore_eos=True) for i, (p, sp) in enumerate(specs)]
 
 
-def _run(engine, requests) -> dict[str, list[tuple[int, float]]]:
-    """Step until the requests finish: {request_id: [(token id, its logprob), ...]}."""
-    for r in requests:
-        engine.add_request(r)
-    out = {r.request_id: [] for r in requests}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
-    return out
-
-
 def test_the_triton_engine_generates_what_the_cpu_engine_does(engines):
     triton_engine, cpu_engine = engines
     # The first request runs alone, so the second finds its prefix in the cache.
     got, want = {}, {}
     for engine, out in ((triton_engine, got), (cpu_engine, want)):
         reqs = _requests(engine, "r")
-        out |= _run(engine, reqs[:1])
-        out |= _run(engine, reqs[1:])
+        out |= run_with_logprobs(engine, reqs[:1])
+        out |= run_with_logprobs(engine, reqs[1:])
         assert reqs[1].num_cached_tokens >= 592
         assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
     assert {k: [t for t, _ in v] for k, v in got.items()} == \
@@ -100,7 +89,7 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
     for engine, out in ((graph_engine, got), (engines[0], want)):
         reqs = _requests(engine, "g")[1:]
         reqs[0].max_tokens = 3  # leaves the batch early: the bucket shrinks
-        out |= _run(engine, reqs)
+        out |= run_with_logprobs(engine, reqs)
         assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
     assert {4, 2} <= set(buckets), buckets
     assert {k: [t for t, _ in v] for k, v in got.items()} == \
