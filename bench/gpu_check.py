@@ -12,7 +12,7 @@ and one 1B-class shape (Llama 3.2 1B's), so nothing is downloaded. Sections:
     paged_attention_ref; the fused sampler's tokens against sample_ref, and its draws'
     distribution against the filtered softmax;
   timing (triton.testing.do_bench): decode attention GB/s against the H200's 4.8 TB/s; the
-    fused sampler against a sort-based torch sampler at batch 256 x vocab 151,936; the
+    fused sampler against a sort-based torch sampler at batch 1 and 256 x vocab 151,936; the
     batch-invariant products against cuBLAS's at decode and prefill shapes; engine decode
     steps (no HTTP) at batch 1/16/64/256, with and without CUDA graphs, with either
     products; host syncs per step (torch's sync debug mode) and kernels compiled after load
@@ -44,12 +44,7 @@ import triton  # noqa: E402
 from bench.gpu_invariance import check_engine, check_products  # noqa: E402
 from kiln.kernels.attention import paged_attention  # noqa: E402
 from kiln.kernels.attention_ref import paged_attention_ref  # noqa: E402
-from kiln.kernels.sampling import (  # noqa: E402
-    BLOCK_V,
-    NUM_PIVOTS,
-    NUM_WARPS,
-    sample,
-)
+from kiln.kernels.sampling import sample, tile_size, tile_warps  # noqa: E402
 from kiln.kernels.sampling_metadata import SamplingMetadata  # noqa: E402
 from kiln.kernels.sampling_ref import sample_ref  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
@@ -317,13 +312,13 @@ def time_kernels(device: str) -> None:
              f"{gbps:.0f} GB/s = {gbps / HBM_GBPS:.0%} of {HBM_GBPS:.0f} {note}")
         if DRY:
             break
-    B, V = (256, 151936) if not DRY else (4, 3000)
-    logits, md = sampling_batch(B, V, torch.bfloat16 if device == "cuda" else torch.float32,
-                                device)
-    fused = bench(lambda: sample(logits, md))
-    sort = bench(lambda: torch_sort_sampler(logits, md))
-    line(f"fused sampler {B} x {V}", fused, "ms", f"torch sort-based {sort:.3f} ms: "
-         f"{sort / fused:.2f}x {note}")
+    for B, V in [(1, 151936), (256, 151936)] if not DRY else [(4, 3000)]:
+        logits, md = sampling_batch(B, V, torch.bfloat16 if device == "cuda" else torch.float32,
+                                    device)
+        fused = bench(lambda x=logits, m=md: sample(x, m))
+        sort = bench(lambda x=logits, m=md: torch_sort_sampler(x, m))
+        line(f"fused sampler {B} x {V}", fused, "ms", f"torch sort-based {sort:.3f} ms: "
+             f"{sort / fused:.2f}x {note}")
 
 
 def serving_batch(B: int, V: int, device, seed=0) -> tuple[torch.Tensor, SamplingMetadata]:
@@ -345,34 +340,32 @@ def serving_batch(B: int, V: int, device, seed=0) -> tuple[torch.Tensor, Samplin
 
 
 def sweep_sampler(device: str) -> None:
-    """The fused sampler's launch parameters (block width, warps, pivots) at served batch
-    shapes, against the sort-based torch sampler: the data to choose the defaults by."""
+    """The fused sampler's tile width and warps at served batch shapes, against the
+    sort-based torch sampler: the data to choose the defaults by."""
     shapes = [(1, 49152), (16, 49152), (256, 49152), (1, 151936), (256, 151936)]
-    default = (BLOCK_V, NUM_WARPS, NUM_PIVOTS)
-    configs = sorted({default, (1024, 8, 16), (1024, 8, 8), (2048, 8, 4), (2048, 16, 8),
-                      (4096, 8, 8), (4096, 16, 8), (8192, 16, 8)})
+    configs = [(tile, warps) for tile in (256, 512, 1024, 2048) for warps in (4, 8, 16)]
     if DRY:
-        shapes, configs = [(2, 3000)], [default]
+        shapes, configs = [(2, 3000)], [(tile_size(3000), 4), (256, 4)]
     for B, V in shapes:
+        default = (tile_size(V), tile_warps(tile_size(V)))
         logits, md = serving_batch(B, V, device)
         want = sample(logits, md).token_ids
         times = {}
-        for bv, nw, piv in configs:
-            out = sample(logits, md, block_v=bv, num_warps=nw, num_pivots=piv)
+        for tile, warps in configs:
+            out = sample(logits, md, tile=tile, warps=warps)
             if not torch.equal(out.token_ids, want):
-                line(f"sampler sweep {B} x {V} block {bv} warps {nw} pivots {piv}", "FAIL",
-                     "", "tokens differ from the default launch")
+                line(f"sampler sweep {B} x {V} tile {tile} warps {warps}", "FAIL", "",
+                     "tokens differ from the default launch")
                 continue
-            times[bv, nw, piv] = bench(lambda bv=bv, nw=nw, piv=piv, x=logits, m=md: sample(
-                x, m, block_v=bv, num_warps=nw, num_pivots=piv))
+            times[tile, warps] = bench(lambda t=tile, w=warps, x=logits, m=md: sample(
+                x, m, tile=t, warps=w))
         sort = bench(lambda x=logits, m=md: torch_sort_sampler(x, m))
         best = min(times, key=times.get)
-        line(f"sampler sweep {B} x {V}: default {'/'.join(map(str, default))}",
-             times.get(default, float("nan")), "ms",
-             f"best {best[0]}/{best[1]}/{best[2]} {times[best]:.3f} ms; torch sort "
-             f"{sort:.3f} ms")
-        print("    " + "  ".join(f"{bv}/{nw}/{piv}={t:.3f}" for (bv, nw, piv), t
-                                 in sorted(times.items())), flush=True)
+        default_ms = times.get(default) or bench(lambda x=logits, m=md: sample(x, m))
+        line(f"sampler sweep {B} x {V}: default {default[0]}/{default[1]}", default_ms, "ms",
+             f"best {best[0]}/{best[1]} {times[best]:.3f} ms; torch sort {sort:.3f} ms")
+        print("    " + "  ".join(f"{t}/{w}={ms:.3f}" for (t, w), ms in sorted(times.items())),
+              flush=True)
 
 
 def check_serving(path: Path, device: str) -> None:

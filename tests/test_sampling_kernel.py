@@ -116,13 +116,13 @@ def test_uniforms_are_bit_identical_to_philox_reference(device, seed, step):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("V,dtype,block_v", [(1000, torch.float32, 256),
+@pytest.mark.parametrize("V,dtype,tile", [(1000, torch.float32, 256),
                                              (4099, torch.float32, 1024),
                                              (1000, torch.bfloat16, 512)])
-def test_kernel_matches_reference_on_mixed_rows(device, V, dtype, block_v):
+def test_kernel_matches_reference_on_mixed_rows(device, V, dtype, tile):
     logits, md, _ = mixed_batch(V, device)
     logits = logits.to(dtype)
-    got = sample(logits, md, return_processed=True, block_v=block_v)
+    got = sample(logits, md, return_processed=True, tile=tile)
     want = sample_ref(logits, md, return_processed=True)
     assert_same_processed(got.processed_logits, want.processed_logits)
     assert got.token_ids.tolist() == want.token_ids.tolist()
@@ -134,12 +134,56 @@ def test_kernel_matches_reference_on_mixed_rows(device, V, dtype, block_v):
 @pytest.mark.parametrize("device", DEVICES)
 def test_row_tokens_do_not_depend_on_batch_composition(device):
     logits, md, _ = mixed_batch(300, device, num_top=0)
-    full = sample(logits, md).token_ids.tolist()
+    full = sample(logits, md, tile=128)  # 3 tiles a row
     order = [9, 4, 0, 6]
-    assert sample(logits[order], select_rows(md, order)).token_ids.tolist() == [
-        full[i] for i in order]
-    assert sample(logits[[6]], select_rows(md, [6])).token_ids.tolist() == [full[6]]
-    assert sample(logits, md).token_ids.tolist() == full  # same seeds, same tokens
+    part = sample(logits[order], select_rows(md, order), tile=128)
+    assert part.token_ids.tolist() == [full.token_ids[i].item() for i in order]
+    assert torch.equal(part.logprobs, full.logprobs[order])  # the same bits
+    alone = sample(logits[[6]], select_rows(md, [6]), tile=128)
+    assert alone.token_ids.tolist() == [full.token_ids[6].item()]
+    assert torch.equal(alone.logprobs, full.logprobs[[6]])
+    assert torch.equal(sample(logits, md, tile=128).token_ids, full.token_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_thresholds_from_candidates_and_from_whole_rows(device):
+    """12 tiles a row: top_k and top_p thresholds the tiles' candidates decide, and those
+    they cannot (top_k above the candidates, a nucleus wider than all of them, ties at a
+    tile's last candidate), which the whole row decides; the same survivors, tokens and
+    logprobs as the reference."""
+    V, tile = 3000, 256
+    gen = torch.Generator().manual_seed(7)
+    scale = torch.tensor([3.0, 3.0, 3.0, 3.0, 0.05, 3.0, 3.0, 2.0, 2.0, 3.0, 1, 1])[:, None]
+    logits = torch.randn(12, V, generator=gen) * scale
+    logits[7:9] = (logits[7:9] * 2).round() / 2  # many ties everywhere
+    logits[10, :tile] += 10.0                   # the 80 largest in one tile
+    logits[11, 100:110], logits[11, 110:180] = 8.0, 5.0  # 70 ties past a tile's candidates
+    rows = [dict(temperature=0.9, top_k=5), dict(temperature=1.1, top_k=64),
+            dict(temperature=1.0, top_k=65), dict(temperature=1.0, top_k=300, top_p=0.97),
+            dict(temperature=1.0, top_p=0.99),                   # nucleus of ~2,900 tokens
+            dict(temperature=0.8, top_p=0.6), dict(temperature=0.7, top_k=50, top_p=0.9,
+                                                   min_p=0.01, rep=1.3, freq=0.2),
+            dict(temperature=1.0, top_k=40), dict(temperature=1.0, top_p=0.8),
+            dict(temperature=1.2, top_k=20, top_p=0.95, pres=0.4),
+            dict(temperature=1.0, top_k=80), dict(temperature=1.0, top_k=20, top_p=0.76)]
+    for i, r in enumerate(rows):
+        r.update(seed=31 * i, step=i)
+    window = torch.randint(0, V, (12, 40), generator=gen)
+    window[10:] = -1
+    allowed = torch.rand(12, V, generator=gen) < 0.9
+    allowed[10:] = True
+    md = make_metadata(rows, device, window, pack_bitmask(allowed), num_top=5)
+    logits = logits.to(device)
+    got = sample(logits, md, return_processed=True, tile=tile)
+    want = sample_ref(logits, md, return_processed=True)
+    assert_same_processed(got.processed_logits, want.processed_logits)
+    kept = (~want.processed_logits.isinf()).sum(-1).tolist()
+    assert kept[4] > (V // tile + 1) * 64 and kept[10] == 80 and kept[11] == 80
+    assert got.token_ids.tolist() == want.token_ids.tolist()
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+    # Tied logits may come in another order than torch.topk's: compare what they pick.
+    assert torch.equal(logits.gather(1, got.top_token_ids), logits.gather(1, want.top_token_ids))
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,7 +198,7 @@ def test_greedy_is_first_argmax_of_penalised_masked_logits(device):
     allowed[2, 3] = False
     md = make_metadata([dict(temperature=0.0), dict(temperature=0.0, rep=4.0, freq=1.0),
                         dict(temperature=0.3, top_k=1)], device, window, pack_bitmask(allowed))
-    got = sample(logits.to(device), md, block_v=256).token_ids.tolist()
+    got = sample(logits.to(device), md, tile=256).token_ids.tolist()
     assert got == [3, 3 if 10.0 / 4 - 2 > 4 else 650, 650]
     assert sample_ref(logits.to(device), md).token_ids.tolist() == got
 
@@ -179,7 +223,7 @@ def test_penalties_match_the_contract_formula(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_raw_log_softmax_before_penalties_mask_and_temperature(device):
     logits, md, _ = mixed_batch(1000, device, num_top=20)
-    out = sample(logits, md, block_v=1024)
+    out = sample(logits, md, tile=1024)
     raw_lp = torch.log_softmax(logits.float(), dim=-1)
     torch.testing.assert_close(out.logprobs, raw_lp.gather(1, out.token_ids[:, None])[:, 0],
                                atol=1e-5, rtol=1e-5)
@@ -379,7 +423,7 @@ def test_kernel_matches_reference_with_logit_bias(device):
     for window_too in (True, False):
         m = md if window_too else dataclasses.replace(md, window_token_ids=None)
         m = with_bias(m, biases, device)
-        got = sample(logits, m, return_processed=True, block_v=256)
+        got = sample(logits, m, return_processed=True, tile=256)
         want = sample_ref(logits, m, return_processed=True)
         assert_same_processed(got.processed_logits, want.processed_logits)
         assert got.token_ids.tolist() == want.token_ids.tolist()
