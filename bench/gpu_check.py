@@ -221,6 +221,11 @@ def check_attention(device: str) -> None:
         tol = 2e-2 if dt == torch.bfloat16 else 1e-4
         line(f"attention {name} vs reference: max abs err", err, "",
              "ok" if err < tol else f"FAIL (>= {tol})")
+        if query_len == 1:  # decode steps take a program per sequence: the same bits
+            same = torch.equal(out, paged_attention(*args, scale=0.125, max_seq_len=seq_len,
+                                                    max_query_len=1))
+            line(f"attention {name}: decode grid bits equal the general grid's", same, "",
+                 "ok" if same else "FAIL")
 
 
 def sampling_batch(B: int, V: int, dtype, device, seed=0) -> tuple[torch.Tensor, SamplingMetadata]:
@@ -305,11 +310,14 @@ def time_kernels(device: str) -> None:
         dt = torch.bfloat16 if device == "cuda" else torch.float32
         args, seq_len = paged_batch(num_seqs, context, 1, heads, kv_heads, head_dim, dt, device)
         ms = bench(lambda args=args, seq_len=seq_len: paged_attention(
+            *args, scale=0.125, max_seq_len=seq_len, max_query_len=1))
+        general = bench(lambda args=args, seq_len=seq_len: paged_attention(
             *args, scale=0.125, max_seq_len=seq_len))
         kv_bytes = 2 * num_seqs * seq_len * kv_heads * head_dim * dt.itemsize
         gbps = kv_bytes / ms / 1e6
         line(f"attention decode {model} {num_seqs} x {context}", ms, "ms",
-             f"{gbps:.0f} GB/s = {gbps / HBM_GBPS:.0%} of {HBM_GBPS:.0f} {note}")
+             f"{gbps:.0f} GB/s = {gbps / HBM_GBPS:.0%} of {HBM_GBPS:.0f}; general grid "
+             f"{general:.3f} ms: {general / ms:.2f}x {note}")
         if DRY:
             break
     for B, V in [(1, 151936), (256, 151936)] if not DRY else [(4, 3000)]:

@@ -30,6 +30,13 @@ def test_every_variant_compiles_for_sm90_and_sm80():
         summary = [line for line in out.splitlines() if line.startswith(f"sm_{arch}:")]
         # 4 models x 3 dtypes: attention, KV store, split reduction; sampler 4 per dtype.
         assert summary and int(summary[-1].split()[1]) >= 40, summary
+        # Attention's K/V tiles double-buffered: the next tile's block ids are loaded a
+        # tile ahead, so no K/V load waits on a load of its own iteration (with them
+        # gathered in the loop the pipeliner kept one buffer and waited on it every tile).
+        attention = [line for line in out.splitlines()
+                     if line.startswith(f"sm_{arch} _paged_attention_kernel ")]
+        depths = {int(line.split("buffers ")[1].split()[0]) for line in attention}
+        assert attention and min(depths) >= 2, depths
 
 
 CHECK = textwrap.dedent("""
@@ -80,7 +87,8 @@ CHECK = textwrap.dedent("""
                                    torch.zeros(T, dtype=torch.int64), angles, angles,
                                    (torch.ones(D), torch.ones(D), 1e-6))
                 paged_attention(q, cache, cache, tables, lens, qsl, 0.0625,
-                                sliding_window=window, max_seq_len=seq_len)
+                                sliding_window=window, max_seq_len=seq_len,
+                                max_query_len=query_len)
         for B, width, top in [(1, 1, 0), (3, 7, 1), (16, 64, 5), (17, 200, 20), (64, 0, 2)]:
             f32 = lambda x: torch.full((B,), x, dtype=torch.float32)
             for grammar in (False, True):

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES
 
 from kiln.kernels import BLOCK_SIZE
-from kiln.kernels.attention import paged_attention
+from kiln.kernels.attention import paged_attention, query_programs
 from kiln.kernels.attention_ref import paged_attention_ref
 
 # (atol, rtol) of the kernel against the fp32-accumulating reference. bf16/fp16: the kernel
@@ -256,6 +256,25 @@ def test_kernel_rows_bit_identical_however_chunked_or_batched(partition, dtype, 
     for name, other in [("two chunks", two), ("three chunks", three), ("batched", batched),
                         ("batched chunks", batched_chunks)]:
         assert torch.equal(whole, other), f"{name}: max diff {(whole - other).abs().max()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition", [512, 64])
+def test_decode_grid_gives_the_general_grids_bits(partition, dtype, window, device):
+    """A decode step's program per sequence (no search) against the general grid, and
+    against the same rows inside a prefill chunk: torch.equal, split or not."""
+    seqs = make_sequences([75, 18, 110, 5], 9, 3, 64, dtype, device)
+    rows = [(0, 74, 1), (1, 17, 1), (2, 109, 1), (3, 4, 1)]
+    call = lambda rows, **kw: paged_attention(*seqs.step(rows), scale=0.125,
+                                              sliding_window=window, partition_size=partition,
+                                              **kw)
+    assert query_programs(4, 4, 1, block_q=5) == 4  # the decode grid is the one tested
+    decode = call(rows, max_query_len=1)
+    assert torch.equal(decode, call(rows))
+    assert torch.equal(decode[[0]], call([(0, 70, 5)])[4:])  # the chunk's last row
+    assert torch.equal(decode[[2]], call([(2, 109, 1)], max_query_len=1))
 
 
 @pytest.mark.parametrize("device", DEVICES)

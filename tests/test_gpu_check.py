@@ -15,7 +15,8 @@ def test_gpu_check_dry_run_passes_every_check():
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "FAIL" not in out, out
     for section in ("logits float32 invariant vs CPU reference", "logits float32 cuBLAS vs",
-                    "attention batch", "tokens equal to sample_ref", "vs filtered softmax",
+                    "attention batch", "decode grid bits equal", "tokens equal to sample_ref",
+                    "vs filtered softmax",
                     "attention decode", "fused sampler", "product 37 x 200 x 128",
                     "a row's bits alone and in 37 rows, batch-invariant",
                     "replies alone vs cached, batch-invariant",
@@ -23,6 +24,6 @@ def test_gpu_check_dry_run_passes_every_check():
                     "batch 3 graphs cuBLAS", "batch 3 eager invariant",
                     "serving: greedy chat, whole vs streamed", "serving: SIGTERM", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
-    # logits (two products), two attention cases, two sampler checks, two products' rows,
-    # four replies' comparisons, four serving checks
-    assert out.count(" ok") == 16, out
+    # logits (two products), two attention cases and the decode grid's bits, two sampler
+    # checks, two products' rows, four replies' comparisons, four serving checks
+    assert out.count(" ok") == 17, out

@@ -6,7 +6,8 @@ Runs the launchers of kernels/warmup.py on CPU tensors for each model's shapes a
 with Triton's JIT pointed at a stand-in driver whose target is the given NVIDIA arch: Triton
 specialises the launches exactly as it would on that GPU, and instead of launching, each new
 variant is compiled for the target through `triton.compile` (ptxas ships in the wheel). One
-line per variant: registers, shared memory, spill stores and loads (`ptxas -v`). Exits 1 on
+line per variant: registers, shared memory, spill stores and loads (`ptxas -v`), and how many
+tiles its pipelined loads keep in shared memory (`buffers`). Exits 1 on
 a compile error or shared memory over the arch's limit. Not under TRITON_INTERPRET: the
 interpreter replaces the JIT.
 """
@@ -70,6 +71,7 @@ class Variant:
     shared: int
     spill_stores: int
     spill_loads: int
+    buffers: int  # tiles each pipelined load keeps in shared memory (1: nothing in flight)
     seconds: float
 
 
@@ -85,6 +87,15 @@ def resource_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return regs, int(spills.group(1)), int(spills.group(2))
+
+
+def pipeline_buffers(ttgir: str) -> int:
+    """The deepest multi-buffered tile load: Triton's pipeliner allocates a load's shared
+    memory as [buffers, *tile] (`ttg.local_alloc : () -> !ttg.memdesc<2x64x64xbf16...>`), so
+    2 means one tile arrives while the previous one is used; 0 when no 2-D tile is
+    pipelined."""
+    depths = re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+    return max(map(int, depths), default=0)
 
 
 # Shared memory a block may use (sm_90: 227 KB, sm_80: 163 KB); triton.compile does not check.
@@ -138,7 +149,7 @@ class Recorder:
             self.errors.append((jit.__name__, self.where, f"{shared} B of shared memory, "
                                 f"over sm_{self.arch}'s {SHARED_LIMIT[self.arch]}"))
         self.variants.append(Variant(jit.__name__, self.where, regs, shared, stores, loads,
-                                     seconds))
+                                     pipeline_buffers(kernel.asm["ttgir"]), seconds))
         return True  # handled here: the JIT neither compiles again nor launches
 
     def run(self, label: str, launches) -> None:
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             print(f"sm_{arch} {v.kernel:26s} regs {v.registers:3d}  shared {v.shared:6d} B  "
                   f"spills {v.spill_stores:4d} B stored {v.spill_loads:4d} B loaded  "
-                  f"{v.seconds:4.1f} s  [{v.where}]")
+                  f"buffers {v.buffers}  {v.seconds:4.1f} s  [{v.where}]")
         for kernel, where, message in errors:
             print(f"sm_{arch} {kernel} FAILED [{where}]: {message}")
         print(f"sm_{arch}: {len(variants)} variants compiled, {len(errors)} failed")

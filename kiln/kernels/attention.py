@@ -104,35 +104,48 @@ def _paged_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,  # key positions per partition, a multiple of BLOCK_N
     SPLIT: tl.constexpr,  # the launch spans more than one partition: write partials
+    DECODE: tl.constexpr,  # one query token a sequence: a program per sequence (no search)
     USE_SLIDING_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (see _dot_dtype)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, so fp32 is not silently tf32
 ):
-    q_block_idx = tl.program_id(0).to(tl.int64)
     kv_head_idx = tl.program_id(1).to(tl.int64)
     partition_idx = tl.program_id(2).to(tl.int64)
-
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
-    query_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int64) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
-    context_len = seq_len - query_len
-
-    # This program's query tile covers absolute positions [tile_pos, tile_pos + BLOCK_Q).
-    tile_local = q_block_idx - (q_start // BLOCK_Q + 2 * seq_idx)
-    tile_pos = (context_len // BLOCK_Q + tile_local) * BLOCK_Q
-    if tile_pos >= seq_len:
-        return
-    first_pos = tl.maximum(tile_pos, context_len)
-    last_pos = tl.minimum(tile_pos + BLOCK_Q, seq_len) - 1
-
-    # Row m is query position tile_pos + m // GROUP_SIZE, head kv_head * GROUP_SIZE + m % GROUP.
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, HEAD_DIM_PADDED)  # [HEAD_DIM_PADDED]
-    q_pos = tile_pos + offs_m // GROUP_SIZE  # [BLOCK_M] absolute positions
     head_idx = kv_head_idx * GROUP_SIZE + offs_m % GROUP_SIZE  # [BLOCK_M]
-    token_idx = q_start + q_pos - context_len  # [BLOCK_M] rows of query/out
-    row_mask = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_pos >= first_pos) & (q_pos <= last_pos)
+    if DECODE:
+        # One token a sequence (token i is sequence i's): a program per sequence, no search,
+        # its rows the token's GROUP_SIZE heads. The same tiles of keys and the same dots
+        # as below: a row gets the same bits from either grid.
+        seq_idx = tl.program_id(0).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
+        first_pos = seq_len - 1
+        last_pos = first_pos
+        q_pos = first_pos + offs_m * 0  # [BLOCK_M] absolute positions
+        token_idx = seq_idx + offs_m * 0  # [BLOCK_M] rows of query/out
+        row_mask = offs_m < GROUP_SIZE
+    else:
+        q_block_idx = tl.program_id(0).to(tl.int64)
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs,
+                                BLOCK_Q).to(tl.int64)
+        q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
+        query_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int64) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
+        context_len = seq_len - query_len
+
+        # This program's query tile covers absolute positions [tile_pos, tile_pos + BLOCK_Q).
+        tile_local = q_block_idx - (q_start // BLOCK_Q + 2 * seq_idx)
+        tile_pos = (context_len // BLOCK_Q + tile_local) * BLOCK_Q
+        if tile_pos >= seq_len:
+            return
+        first_pos = tl.maximum(tile_pos, context_len)
+        last_pos = tl.minimum(tile_pos + BLOCK_Q, seq_len) - 1
+
+        # Row m is query position tile_pos + m // GROUP_SIZE, head kv_head * GROUP + m % GROUP.
+        q_pos = tile_pos + offs_m // GROUP_SIZE  # [BLOCK_M] absolute positions
+        token_idx = q_start + q_pos - context_len  # [BLOCK_M] rows of query/out
+        row_mask = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_pos >= first_pos) & (q_pos <= last_pos)
     d_mask = offs_d < head_dim
 
     q_offs = token_idx[:, None] * query_token_stride + head_idx[:, None] * query_head_stride
@@ -154,11 +167,17 @@ def _paged_attention_kernel(
         return
     kv_start = tl.maximum(kv_start, part_start)
     kv_end = tl.minimum(kv_end, part_start + PARTITION_SIZE)
+    table_ptr = block_tables_ptr + seq_idx * block_table_stride
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    next_block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0)
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute key positions
         kv_mask = offs_n < kv_end  # [BLOCK_N]
-        physical_block = tl.load(block_tables_ptr + seq_idx * block_table_stride
-                                 + offs_n // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        physical_block = next_block.to(tl.int64)
+        # The next tile's block ids now: K/V addresses then never wait on a load of this
+        # iteration, so the pipeliner can keep several tiles of K/V in flight.
+        next_block = tl.load(table_ptr + (offs_n + BLOCK_N) // BLOCK_SIZE,
+                             mask=offs_n + BLOCK_N < kv_end, other=0)
         slot = offs_n % BLOCK_SIZE  # [BLOCK_N]
 
         k_offs = (physical_block[None, :] * key_block_stride + slot[None, :] * key_slot_stride
@@ -294,6 +313,15 @@ def _tile_sizes(group_size: int, head_dim: int) -> tuple[int, int, int]:
     return block_q, block_m, block_n
 
 
+def query_programs(num_tokens: int, num_seqs: int, max_query_len: int | None,
+                   block_q: int) -> int:
+    """The grid's first axis: a program per sequence in a decode step (one token each, the
+    host knows it), otherwise room for every sequence's position-aligned query tiles."""
+    if max_query_len == 1 and num_tokens == num_seqs:
+        return num_seqs
+    return num_tokens // block_q + 2 * num_seqs
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -306,6 +334,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_seq_len: int | None = None,  # host-known bound on seq_lens (saves a device sync)
     partition_size: int = PARTITION_SIZE,
+    max_query_len: int | None = None,  # host-known bound on query lengths (1: decode grid)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -346,8 +375,9 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((num_tokens, num_heads, num_partitions, head_dim_padded),
                                dtype=torch.float32, device=query.device)
-    # Each sequence owns at most query_len // BLOCK_Q + 2 position-aligned query tiles.
-    grid = (num_tokens // block_q + 2 * num_seqs, num_kv_heads, num_partitions)
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    grid = (query_programs(num_tokens, num_seqs, max_query_len, block_q), num_kv_heads,
+            num_partitions)
     dot_dtype = _dot_dtype(query.dtype)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum, query, key_cache, value_cache, block_tables,
@@ -358,7 +388,8 @@ def paged_attention(
         block_tables.stride(0), num_partitions,
         GROUP_SIZE=group_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM_PADDED=head_dim_padded,
-        PARTITION_SIZE=partition_size, SPLIT=split, USE_SLIDING_WINDOW=sliding_window > 0,
+        PARTITION_SIZE=partition_size, SPLIT=split, DECODE=decode,
+        USE_SLIDING_WINDOW=sliding_window > 0,
         # "tf32" is tl.dot's default and only affects fp32 operands, which always get "ieee".
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=4,

@@ -111,19 +111,22 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     slot_mapping = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def attention(window: int, length: int):
+    def attention(window: int, length: int, query_len: int | None):
         seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
 
         def launch():
             rope_store_kvcache(q, k, v, key_cache, value_cache, slot_mapping, positions,
                                angles, angles, qk_norm)
             paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                            D ** -0.5, sliding_window=window, max_seq_len=length)
+                            D ** -0.5, sliding_window=window, max_seq_len=length,
+                            max_query_len=query_len)
         return launch
 
-    launches += [(f"attention window={w} split={length > PARTITION_SIZE}",
-                  attention(w, length))
-                 for w in shapes.sliding_windows for length in (1, seq_len)]
+    # The decode grid (steps of one token a sequence) and the general one.
+    launches += [(f"attention window={w} split={length > PARTITION_SIZE} decode={d}",
+                  attention(w, length, 1 if d else None))
+                 for w in shapes.sliding_windows for length in (1, seq_len)
+                 for d in (False, True)]
 
     B, V = 2, shapes.vocab_size
     logits = torch.zeros((B, V), dtype=logits_dtype, device=device)

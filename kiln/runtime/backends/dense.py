@@ -126,7 +126,8 @@ class DenseBackend:
                 meta.query_start_loc, scale)
         if self.use_triton:
             out = paged_attention(*args, sliding_window=sliding_window,
-                                  max_seq_len=meta.max_seq_len)
+                                  max_seq_len=meta.max_seq_len,
+                                  max_query_len=meta.max_query_len)
         else:
             out = paged_attention_ref(*args, sliding_window=sliding_window)
         return out.reshape(q.shape[0], -1)
