@@ -16,7 +16,8 @@ and one 1B-class shape (Llama 3.2 1B's), so nothing is downloaded. Sections:
     batch-invariant products against cuBLAS's at decode and prefill shapes; engine decode
     steps (no HTTP) at batch 1/16/64/256, with and without CUDA graphs, with either
     products; host syncs per step (torch's sync debug mode) and kernels compiled after load
-    (should be 0).
+    (should be 0); last, the peer: torch.compile (max-autotune) of a llama of the 1B
+    shape, gpt-fast's recipe, at batch 1 and 64 (bench/gpu_peer.py).
 A dry run does every step at toy sizes on the CPU: it shows the script works, not a figure.
 """
 
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.gpu_invariance import check_engine, check_products  # noqa: E402
+from bench.gpu_peer import time_compiled_decode  # noqa: E402
 from kiln.kernels.attention import paged_attention  # noqa: E402
 from kiln.kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kiln.kernels.sampling import sample, tile_size, tile_warps  # noqa: E402
@@ -591,6 +593,11 @@ def main() -> int:
             for invariant in (True, False):
                 section(f"engine llama-1b graphs=True invariant={invariant}", time_engine,
                         paths["llama-1b"], device, "llama-1b", (1, 64), True, invariant)
+        # The peer, last (max-autotune's compile takes minutes): the 1B shape (the toy one in
+        # a dry run) under torch.compile.
+        peer = "llama-1b" if "llama-1b" in paths else "smollm2-135m"
+        section(f"torch.compile {peer}", time_compiled_decode, shapes[peer], peer,
+                (1, 64) if not DRY else (1, 3), 128, device, DRY, line)
     line("total", time.perf_counter() - T0, "s", f"failed sections: {', '.join(FAILED)}"
          if FAILED else "every section ran")
     return 1 if FAILED else 0

@@ -22,7 +22,8 @@ def test_gpu_check_dry_run_passes_every_check():
                     "replies alone vs cached, batch-invariant",
                     "decode step smollm2-135m batch 3 graphs invariant",
                     "batch 3 graphs cuBLAS", "batch 3 eager invariant",
-                    "serving: greedy chat, whole vs streamed", "serving: SIGTERM", "total"):
+                    "serving: greedy chat, whole vs streamed", "serving: SIGTERM",
+                    "torch.compile decode step smollm2-135m batch 3", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
     # logits (two products), two attention cases and the decode grid's bits, two sampler
     # checks, two products' rows, four replies' comparisons, four serving checks
