@@ -81,7 +81,8 @@ def make_backend(device: str = "cpu", dtype: torch.dtype = torch.float32,
             from kiln.runtime.backends.cpu.backend import CpuBackend
 
             return CpuBackend(bf16_products=dtype == torch.bfloat16, threads=threads,
-                              int8_products=int8_activations, kv_fp16=kv_fp16)
+                              int8_products=int8_activations, kv_fp16=kv_fp16,
+                              reuse_outputs=True)
         log.warning("[kiln]  CPU kernels unavailable, using torch (slower, and a request's "
                     "bits may follow its batch): %s", reason)
     from kiln.runtime.backends.dense import DenseBackend

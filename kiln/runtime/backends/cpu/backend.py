@@ -21,6 +21,7 @@ import torch
 
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
+from kiln.runtime.backends.cpu.outputs import Outputs
 from kiln.runtime.backends.cpu.packing import I8_TYPES, pack
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.store.gguf_file import WeightSource
@@ -35,12 +36,15 @@ class PackedLinear:
     type; each keeps its own and writes its own columns of the one output.
 
     int8: the products on 8-bit activations (csrc/linear_i8.c) where every part's type has
-    them and K is whole blocks of 32; the fp32 products (csrc/linear.c) otherwise."""
+    them and K is whole blocks of 32; the fp32 products (csrc/linear.c) otherwise.
+    reuse_output: a decode step's output is the layer's buffer (outputs.py), valid until the
+    layer runs again; never for the LM head, whose logits the engine keeps for the step."""
 
-    __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "int8", "_args")
+    __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "int8", "_args",
+                 "_out")
 
     def __init__(self, sources: list[WeightSource], bias: torch.Tensor | None, lib, threads: int,
-                 int8: bool = False):
+                 int8: bool = False, reuse_output: bool = False):
         self.cols = sources[0].cols
         if any(s.cols != self.cols for s in sources):
             raise ValueError("stacked weights must share their input size")
@@ -57,12 +61,14 @@ class PackedLinear:
         # the call's constant arguments, worked out once: this is the decode step's hot path
         self._args = (ctypes.addressof(self.parts), len(sources),
                       None if bias is None else bias.data_ptr())
+        self._out = Outputs(at) if reuse_output else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, cols] fp32, rows contiguous -> [T, rows] fp32."""
         assert x.stride(1) == 1 and x.dtype == torch.float32
         T = x.shape[0]
-        y = torch.empty((T, self.rows), dtype=torch.float32)
+        y = self._out(T) if self._out is not None else \
+            torch.empty((T, self.rows), dtype=torch.float32)
         parts, nparts, bias = self._args
         if not self.int8:
             self.lib.kiln_linear(x.data_ptr(), T, self.cols, x.stride(0), parts, nparts, bias,
@@ -78,7 +84,7 @@ class PackedEmbedding:
 
     def __init__(self, source: WeightSource, lib, threads: int):
         self.source = source
-        self.linear = PackedLinear([source], None, lib, threads)
+        self.linear = PackedLinear([source], None, lib, threads, reuse_output=False)
         self.qtype, self.blocks = int(source.qtype), self.linear.blocks[0]
         self.dim, self.lib, self.threads = source.cols, lib, threads
 
@@ -98,13 +104,16 @@ class CpuBackend:
 
     def __init__(self, bf16_products: bool = False, threads: int | None = None,
                  extra_flags: tuple[str, ...] = (), int8_products: bool = False,
-                 kv_fp16: bool = False):
+                 kv_fp16: bool = False, reuse_outputs: bool = False):
         """bf16_products: the linear layers in oneDNN's packed bf16 (`--dtype bfloat16`, a
         throughput mode that is not bit-exact); everything else stays on the kernels.
         int8_products: the quantized linear layers on 8-bit activations (csrc/linear_i8.c);
         kv_fp16: K and V stored in fp16. Both keep a row's bits independent of its batch;
         `--dtype auto` sets both, `--dtype float32` neither (logits within 1e-4 of
-        transformers')."""
+        transformers').
+        reuse_outputs: each layer operation's output of a decode step is a buffer of its own,
+        valid until it runs again (outputs.py), as the model's forward reads them; off, every
+        call returns a new tensor."""
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products, self.int8_products = bf16_products, int8_products
@@ -121,6 +130,17 @@ class CpuBackend:
         # set by the thread that steps this model (ModelRunner), not here: a model loading
         # for a switch must not retune the one still serving.
         self.torch_threads = self.threads if bf16_products else 1
+        self.reuse_outputs = reuse_outputs
+        self._outputs: dict[tuple[str, int], Outputs] = {}  # (op, width): norms, act, attention
+
+    def _output(self, op: str, rows: int, cols: int) -> torch.Tensor:
+        """op's output for this step (with reuse_outputs valid until op runs again)."""
+        if not self.reuse_outputs:
+            return torch.empty((rows, cols), dtype=torch.float32)
+        out = self._outputs.get((op, cols))
+        if out is None:
+            out = self._outputs[op, cols] = Outputs(cols)
+        return out(rows)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -130,21 +150,22 @@ class CpuBackend:
             from kiln.runtime.backends.cpu.bf16 import PackedBf16
 
             return PackedBf16(sources, b)
-        return PackedLinear(sources, b, self.lib, self.threads, self.int8_products)
+        return PackedLinear(sources, b, self.lib, self.threads, self.int8_products,
+                            self.reuse_outputs)
 
     def embedding(self, source: WeightSource) -> PackedEmbedding:
         return PackedEmbedding(source, self.lib, self.threads)
 
     def lm_head(self, embedding: PackedEmbedding | None, source: WeightSource | None):
         """The output projection: its own weight, or the embedding's (tied)."""
-        if source is not None:
-            return self.linear([source])
+        weight = source if source is not None else embedding.source
         if self.bf16_products:
             from kiln.runtime.backends.cpu.bf16 import PackedBf16
 
-            return PackedBf16([embedding.source], None)
-        if self.int8_products:  # its own copy in the i8 layout; the lookups keep the fp32 one
-            return self.linear([embedding.source])
+            return PackedBf16([weight], None)
+        if source is not None or self.int8_products:  # tied in i8: a copy in the i8 layout
+            return PackedLinear([weight], None, self.lib, self.threads, self.int8_products,
+                                reuse_output=False)
         return embedding.linear
 
     def vector(self, values: np.ndarray) -> torch.Tensor:
@@ -170,7 +191,7 @@ class CpuBackend:
         """x: [T, n] (rows contiguous) -> a new [T, n]"""
         T, n = x.shape
         assert x.stride(1) == 1
-        out = torch.empty((T, n), dtype=torch.float32)
+        out = self._output("rms_norm", T, n)
         self.lib.kiln_rms_norm(x.data_ptr(), x.stride(0), 0, T, 1, n, weight.data_ptr(), eps,
                                out.data_ptr(), n, 0, self.threads)
         return out
@@ -202,7 +223,7 @@ class CpuBackend:
         """gate_up: [T, 2F] (gate, then up, rows contiguous) -> act(gate) * up: [T, F]"""
         T, F2 = gate_up.shape
         assert gate_up.stride(1) == 1
-        out = torch.empty((T, F2 // 2), dtype=torch.float32)
+        out = self._output("act_mul", T, F2 // 2)
         self.lib.kiln_act_mul(gate_up.data_ptr(), gate_up.stride(0), T, F2 // 2,
                               ACTIVATIONS[activation], out.data_ptr(), F2 // 2, self.threads)
         return out
@@ -226,16 +247,24 @@ class CpuBackend:
         if qk_norm is not None:
             self.rms_norm_heads_(q, qk_norm[0], qk_norm[2])
             self.rms_norm_heads_(k, qk_norm[1], qk_norm[2])
-        self.rope_(q, positions, rope)
-        self.rope_(k, positions, rope)
         key_cache, value_cache = kv_cache
         T, H, D = q.shape
         KVH = k.shape[1]
+        if k.data_ptr() == q.data_ptr() + 4 * H * D and k.stride(0) == q.stride(0):
+            # k's heads follow q's in the one product: one call rotates both (a decode step
+            # makes some 300 calls; each one costs a few us of Python)
+            assert q.stride(1) == D and q.stride(2) == 1
+            self.lib.kiln_rope(q.data_ptr(), q.stride(0), D, T, H + KVH, rope.rot_dim,
+                               positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+                               self.threads)
+        else:
+            self.rope_(q, positions, rope)
+            self.rope_(k, positions, rope)
         assert q.stride(1) == k.stride(1) == v.stride(1) == D and v.stride(2) == 1
         self.lib.kiln_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                meta.slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
                                value_cache.data_ptr(), self.kv_fp16)
-        out = torch.empty((T, H * D), dtype=torch.float32)
+        out = self._output("attention", T, H * D)
         bt = meta.block_tables
         self.lib.kiln_attention(q.data_ptr(), q.stride(0), D, key_cache.data_ptr(),
                                 value_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
