@@ -87,3 +87,22 @@ def test_int8_activations_keep_the_bits_alone_batched_and_cached(smollm2, smollm
     assert alone[:2] == batched[:2] == cached[:2]
     fp32 = _run(make_engine(kv_cache_tokens=8192), prompt, SEEDED, 32)
     assert fp32[1] != alone[1]  # the logprobs are the 8-bit path's own
+
+
+def test_reused_outputs_change_no_bit(smollm2, make_engine):
+    """make_backend's CPU backend writes each layer operation's decode-step output into a
+    buffer of its own (backends/cpu/outputs.py); a backend that allocates every output gives
+    the same replies, batched (steps of 5 rows, and prefill chunks of more than 16), bit for
+    bit."""
+    from kiln.runtime.backends.cpu.backend import CpuBackend
+    from kiln.runtime.models.loader import load_model
+
+    assert smollm2.model.backend.reuse_outputs
+    fresh = load_model("smollm2:135m", backend=CpuBackend())
+    assert not fresh.model.backend.reuse_outputs
+    prompt = _prompt(smollm2, "Invent a name for a pet dragon and tell its story.")
+    results = []
+    for model in (smollm2, fresh):
+        engine = make_engine(kv_cache_tokens=8192, model=model)
+        results.append(_run(engine, prompt, SEEDED, 24, _others(engine, smollm2)))
+    assert len(results[0][0]) == 24 and results[0][:2] == results[1][:2]
