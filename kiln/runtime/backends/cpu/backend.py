@@ -188,7 +188,8 @@ class CpuBackend:
     # relies on with one cheap assert and hands it raw pointers and strides.
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [T, n] (rows contiguous) -> a new [T, n]"""
+        """x: [T, n] (rows contiguous) -> [T, n] (a new tensor, or with reuse_outputs the
+        norms' buffer for this width)"""
         T, n = x.shape
         assert x.stride(1) == 1
         out = self._output("rms_norm", T, n)
