@@ -253,11 +253,16 @@ def _tile_sizes(group_size: int, head_dim: int) -> tuple[int, int, int]:
     return block_q, block_m, block_n
 
 
+def is_decode_step(num_tokens: int, num_seqs: int, max_query_len: int | None) -> bool:
+    """One token a sequence, as the host knows from its bound on query lengths."""
+    return max_query_len == 1 and num_tokens == num_seqs
+
+
 def query_programs(num_tokens: int, num_seqs: int, max_query_len: int | None,
                    block_q: int) -> int:
-    """The grid's first axis: a program per sequence in a decode step (one token each, the
-    host knows it), otherwise room for every sequence's position-aligned query tiles."""
-    if max_query_len == 1 and num_tokens == num_seqs:
+    """The grid's first axis: a program per sequence in a decode step, otherwise room for
+    every sequence's position-aligned query tiles."""
+    if is_decode_step(num_tokens, num_seqs, max_query_len):
         return num_seqs
     return num_tokens // block_q + 2 * num_seqs
 
@@ -315,7 +320,7 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((num_tokens, num_heads, num_partitions, head_dim_padded),
                                dtype=torch.float32, device=query.device)
-    decode = max_query_len == 1 and num_tokens == num_seqs
+    decode = is_decode_step(num_tokens, num_seqs, max_query_len)
     grid = (query_programs(num_tokens, num_seqs, max_query_len, block_q), num_kv_heads,
             num_partitions)
     dot_dtype = _dot_dtype(query.dtype)

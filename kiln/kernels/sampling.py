@@ -3,7 +3,8 @@
 
 A row is cut into vocabulary tiles whose width follows the vocabulary only (`tile_size`),
 never the batch, and every merge of the tiles' results runs in tile order: a row's token and
-logprobs are the same bits alone or in any batch. Four launches, no sort:
+logprobs are the same bits alone or in any batch. Four launches (two when every row is
+greedy), no sort:
 
 1. tiles (row x tile): the raw max and sum-exp (logprobs), the tile's top-N raw logits; the
    penalties on the tile's window tokens, its logit_bias (a bias of -inf bans a token:
@@ -83,7 +84,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
         work, counts = torch.empty(B, V, **f32), torch.empty(B, V, **i32)
     stats, stat_ids = torch.empty(4, B, T, **f32), torch.empty(2, B, T, **i32)
     tile_top_values, tile_top_ids = torch.empty(B, T, N, **f32), torch.empty(B, T, N, **i32)
-    cand_keys, cand_ids = (torch.empty(B, T, CANDIDATES, **i32) for _ in range(2))
+    cand_keys = torch.empty(B, T, CANDIDATES, **i32)
     floors, race_ids = torch.empty(B, T, **i32), torch.empty(B, T, **i32)
     race_scores = torch.empty(B, T, **f32)
     row_max, row_thr, lse = torch.empty(B, **f32), torch.empty(B, **i32), torch.empty(B, **f32)
@@ -100,7 +101,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
         window, window.stride(0), window.shape[1] if has_window else 0,
         bias_ids, bias_values, bias_ids.stride(0), bias_ids.shape[1] if has_bias else 0,
         bitmask, bitmask.stride(0), stats, stat_ids, B * T, tile_top_values, tile_top_ids,
-        cand_keys, cand_ids, floors, V, N, **flags, TILE=tile, BLOCK_W=BLOCK_W,
+        cand_keys, floors, V, N, **flags, TILE=tile, BLOCK_W=BLOCK_W,
         CANDIDATES=CANDIDATES, PIVOTS=TILE_PIVOTS, num_warps=warps)
     _merge_kernel[(B,)](
         logits, logits.stride(0), work, bitmask, bitmask.stride(0),

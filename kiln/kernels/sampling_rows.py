@@ -10,6 +10,7 @@ import triton.language as tl
 from kiln.kernels.sampling_tiles import (
     KEY_NEG_INF,
     KEY_NONE,
+    _is_greedy,
     _key_value,
     _load_processed,
     _ordered_key,
@@ -183,7 +184,7 @@ def _merge_kernel(
 
     temperature = tl.load(temperature_ptr + row)
     top_k = tl.load(top_k_ptr + row)
-    if (temperature == 0.0) | (top_k == 1):
+    if _is_greedy(temperature, top_k):
         tl.store(token_ids_ptr + row, best_idx.to(tl.int64))
         tl.store(logprobs_ptr + row, tl.load(logits_row_ptr + best_idx).to(tl.float32) - lse)
     else:
@@ -247,7 +248,7 @@ def _pick_kernel(
 ):
     """A sampled row's token: the best score of all tiles, the lowest id among equals."""
     row = tl.program_id(0).to(tl.int64)
-    if (tl.load(temperature_ptr + row) != 0.0) & (tl.load(top_k_ptr + row) != 1):
+    if _is_greedy(tl.load(temperature_ptr + row), tl.load(top_k_ptr + row)) == 0:
         score = tl.full([], float("-inf"), tl.float32)
         token = tl.full([], INT32_MAX, tl.int32)
         for t0 in range(0, num_tiles, TILES_BLOCK):

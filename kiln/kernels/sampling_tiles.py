@@ -51,8 +51,19 @@ def _load_processed(logits_row_ptr, work_row_ptr, bitmask_row_ptr, offs, vocab_s
 
 
 @triton.jit
-def _is_greedy(temperature_ptr, top_k_ptr, row):
-    return (tl.load(temperature_ptr + row) == 0.0) | (tl.load(top_k_ptr + row) == 1)
+def _is_greedy(temperature, top_k):
+    """Greedy rows take the first argmax and draw nothing."""
+    return (temperature == 0.0) | (top_k == 1)
+
+
+@triton.jit
+def _tile_ids(ids_row_ptr, j, length, start, vocab_size,
+              TILE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Block j of a row's -1-padded token list (penalty window, logit_bias ids), and which of
+    them fall in the tile starting at token `start`."""
+    j_offs = j + tl.arange(0, BLOCK_W)
+    tok = tl.load(ids_row_ptr + j_offs, mask=j_offs < length, other=-1)  # tok: [BLOCK_W]
+    return j_offs, tok, (tok >= start) & (tok < start + TILE) & (tok < vocab_size)
 
 
 @triton.jit
@@ -71,10 +82,8 @@ def _apply_penalties(logits_row_ptr, work_row_ptr, counts_row_ptr, bitmask_row_p
     for phase in tl.static_range(3):
         tl.debug_barrier()
         for w0 in range(0, window_len, BLOCK_W):
-            w_offs = w0 + tl.arange(0, BLOCK_W)
-            tok = tl.load(window_row_ptr + w_offs, mask=w_offs < window_len,
-                          other=-1)  # tok: [BLOCK_W]
-            mine = (tok >= start) & (tok < start + TILE) & (tok < vocab_size)
+            _, tok, mine = _tile_ids(window_row_ptr, w0, window_len, start, vocab_size, TILE,
+                                     BLOCK_W)
             if phase == 0:
                 tl.store(counts_row_ptr + tok, tl.zeros_like(tok).to(tl.int32), mask=mine)
             elif phase == 1:
@@ -90,10 +99,8 @@ def _apply_penalties(logits_row_ptr, work_row_ptr, counts_row_ptr, bitmask_row_p
     tl.debug_barrier()
     # logit_bias on the penalised values (ids unique in a row: no two lanes share one).
     for b0 in range(0, bias_len, BLOCK_W):
-        b_offs = b0 + tl.arange(0, BLOCK_W)
-        tok = tl.load(bias_ids_row_ptr + b_offs, mask=b_offs < bias_len,
-                      other=-1)  # tok: [BLOCK_W]
-        mine = (tok >= start) & (tok < start + TILE) & (tok < vocab_size)
+        b_offs, tok, mine = _tile_ids(bias_ids_row_ptr, b0, bias_len, start, vocab_size, TILE,
+                                      BLOCK_W)
         bias = tl.load(bias_values_row_ptr + b_offs, mask=mine, other=0.0)
         v = tl.load(work_row_ptr + tok, mask=mine, other=0.0, volatile=True)
         tl.store(work_row_ptr + tok, v + bias, mask=mine)
@@ -103,11 +110,12 @@ def _apply_penalties(logits_row_ptr, work_row_ptr, counts_row_ptr, bitmask_row_p
 
 
 @triton.jit
-def _tile_candidates(x, offs, cand_keys_ptr, cand_ids_ptr,
+def _tile_candidates(x, cand_keys_ptr,
                      TILE: tl.constexpr, CANDIDATES: tl.constexpr, PIVOTS: tl.constexpr):
-    """Stores the tile's CANDIDATES largest finite tokens (ties to the lowest ids; unused
-    slots KEY_NONE) and returns the key no other finite token of the tile exceeds (KEY_NONE
-    when every finite token is a candidate)."""
+    """Stores the keys of the tile's CANDIDATES largest finite tokens (ties to the lowest
+    ids; unused slots KEY_NONE: the thresholds need the values only) and returns the key no
+    other finite token of the tile exceeds (KEY_NONE when every finite token is a
+    candidate)."""
     finite = x > float("-inf")
     keys = tl.where(finite, _ordered_key(x), KEY_NONE)  # keys: [TILE]
     n_finite = tl.sum(finite.to(tl.int32))
@@ -127,7 +135,6 @@ def _tile_candidates(x, offs, cand_keys_ptr, cand_ids_ptr,
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending ids first among ties
     chosen = chosen & (slot < CANDIDATES)
     tl.store(cand_keys_ptr + slot, keys, mask=chosen)
-    tl.store(cand_ids_ptr + slot, offs.to(tl.int32), mask=chosen)
     n_chosen = tl.sum(chosen.to(tl.int32))
     slots = tl.arange(0, CANDIDATES)
     tl.store(cand_keys_ptr + slots, tl.full([CANDIDATES], KEY_NONE, tl.int32),
@@ -162,7 +169,6 @@ def _tile_kernel(
     top_values_ptr,      # [B, T, num_top] fp32 out: the tile's top raw logits
     top_ids_ptr,         # [B, T, num_top] int32 out
     cand_keys_ptr,       # [B, T, CANDIDATES] int32 out: candidates' ordered keys
-    cand_ids_ptr,        # [B, T, CANDIDATES] int32 out: their token ids
     floors_ptr,          # [B, T] int32 out: the key no non-candidate exceeds
     vocab_size,
     num_top,
@@ -216,11 +222,10 @@ def _tile_kernel(
 
     # Candidates for the row's top_k / top_p thresholds, where it has either.
     top_k = tl.load(top_k_ptr + row)
-    sampled = (tl.load(temperature_ptr + row) != 0.0) & (top_k != 1)
+    greedy = _is_greedy(tl.load(temperature_ptr + row), top_k)
     floor = tl.full([], KEY_NONE, tl.int32)
-    if sampled & ((top_k > 0) | (tl.load(top_p_ptr + row) < 1.0)):
-        floor = _tile_candidates(x, offs, cand_keys_ptr + at * CANDIDATES,
-                                 cand_ids_ptr + at * CANDIDATES, TILE, CANDIDATES, PIVOTS)
+    if (greedy == 0) & ((top_k > 0) | (tl.load(top_p_ptr + row) < 1.0)):
+        floor = _tile_candidates(x, cand_keys_ptr + at * CANDIDATES, TILE, CANDIDATES, PIVOTS)
     tl.store(floors_ptr + at, floor)
 
 
@@ -251,7 +256,7 @@ def _race_kernel(
                         bitmask_ptr + row * bitmask_row_stride, offs, vocab_size,
                         HAS_PENALTIES, HAS_GRAMMAR)  # x: [TILE]
     temperature = tl.load(temperature_ptr + row)
-    if _is_greedy(temperature_ptr, top_k_ptr, row):
+    if _is_greedy(temperature, tl.load(top_k_ptr + row)):
         if WRITE_PROCESSED:  # greedy rows: penalties, bias and mask only
             tl.store(processed_ptr + row * vocab_size + offs, x, mask=offs < vocab_size)
     else:
