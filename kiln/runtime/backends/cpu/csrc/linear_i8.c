@@ -39,23 +39,16 @@ typedef struct {
 
 static void quantize_row(const float *x, const xq8 *o, int64_t m) {
     const int64_t K = o->K, nr = K / 16;
+    const vf lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
     for (int64_t r = 0; r < nr; r++) {
-        const float *xr = x + 16 * r;
-        float amax = 0.0f;
-        for (int j = 0; j < 16; j++) {
-            const float a = fabsf(xr[j]);
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int8_t *q = o->q + m * K + 16 * r;
-        int sum = 0;
-        for (int j = 0; j < 16; j++) {
-            const float v = nearbyintf(xr[j] * id);
-            q[j] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
-            sum += q[j];
-        }
+        const vf xr = vf_load(x + 16 * r);
+        /* the largest |x| (a maximum of non-negative values: the same in any order) */
+        const float d = vf_hmax(vf_abs(xr)) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* rounded half to even, as nearbyintf; the sum of integers is exact in fp32 */
+        const vf q = vf_min(vf_max(vf_round(vf_mul(xr, vf_set1(id))), lo), hi);
+        vi_store_s8(o->q + m * K + 16 * r, vi_from_f(q));
         o->d[m * nr + r] = d;
-        o->s[m * nr + r] = d * (float)sum;
+        o->s[m * nr + r] = d * vf_sum(q);
     }
 }
 

@@ -64,6 +64,9 @@ INLINE float vf_sum(vf a) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 INLINE float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+INLINE vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+/* lanes holding integers in [-128, 127] as 16 bytes */
+INLINE void vi_store_s8(int8_t *p, vi a) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(a)); }
 /* z where lo < k <= hi, -inf elsewhere */
 INLINE vf vf_keep_in(vf z, vf k, vf lo, vf hi) {
     const __mmask16 in = _mm512_cmp_ps_mask(k, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(k, lo, _CMP_GT_OQ);
@@ -172,6 +175,15 @@ INLINE float vf_hmax(vf a) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
     __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+}
+INLINE vf vf_abs(vf a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return VF2(_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi));
+}
+INLINE void vi_store_s8(int8_t *p, vi a) {
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi16(_mm256_castsi256_si128(w),
+                                                   _mm256_extracti128_si256(w, 1)));
 }
 INLINE vf vf_keep_in(vf z, vf k, vf lo, vf hi) {
     const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
