@@ -228,6 +228,29 @@ def test_int8_leaves_float_weights_and_ragged_k_on_the_fp32_products():
         pack(_source(Q.BF16, 16, 64, 0).raw_bytes(), Q.BF16, 64, "i8")
 
 
+def test_reused_outputs_per_site_for_decode_rows_and_per_width_above():
+    """outputs.py: a decode step's output (up to 16 rows) is the product's own buffer; a
+    larger step's is one buffer the backend's products of that width share (read before the
+    next of them runs), grown to the largest step; the LM head's logits are always new.
+    Same values as a backend that allocates every output."""
+    be, fresh = CpuBackend(int8_products=True, reuse_outputs=True), CpuBackend(int8_products=True)
+    srcs = [_source(Q.Q8_0, 64, 256, 0), _source(Q.Q4_K, 64, 256, 1)]
+    a, b = be.linear(srcs[:1]), be.linear(srcs[1:])
+    other = be.linear([_source(Q.Q8_0, 32, 256, 2)])  # another width: its own buffer
+    head = be.lm_head(None, srcs[0])
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    for rows in (40, 4):
+        ya = a(x[:rows])
+        at, ya = ya.data_ptr(), ya.clone()  # b's output may take its place
+        yb, yo = b(x[:rows]), other(x[:rows])
+        assert (at == yb.data_ptr()) == (rows > 16)
+        assert yo.data_ptr() not in (at, yb.data_ptr())
+        assert torch.equal(ya, fresh.linear(srcs[:1])(x[:rows]))
+        assert torch.equal(yb, fresh.linear(srcs[1:])(x[:rows]))
+    assert a(x[:24]).data_ptr() == a(x[:40]).data_ptr()  # a smaller step: a view of the same
+    assert head(x).data_ptr() != head(x).data_ptr()
+
+
 def test_embedding_rows_are_the_dequantized_rows(be):
     src = _source(Q.Q8_0, 100, 576, 8)
     emb = be.embedding(src)

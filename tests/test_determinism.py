@@ -91,9 +91,9 @@ def test_int8_activations_keep_the_bits_alone_batched_and_cached(smollm2, smollm
 
 def test_reused_outputs_change_no_bit(smollm2, make_engine):
     """make_backend's CPU backend writes each layer operation's decode-step output into a
-    buffer of its own (backends/cpu/outputs.py); a backend that allocates every output gives
-    the same replies, batched (steps of 5 rows, and prefill chunks of more than 16), bit for
-    bit."""
+    buffer of its own, and a larger step's into one that the operations of its kind and width
+    share (backends/cpu/outputs.py); a backend that allocates every output gives the same
+    replies, batched (steps of 5 rows, and prefill chunks of more than 16), bit for bit."""
     from kiln.runtime.backends.cpu.backend import CpuBackend
     from kiln.runtime.models.loader import load_model
 

@@ -21,7 +21,7 @@ import torch
 
 from kiln.runtime.backends import RopeTable
 from kiln.runtime.backends.cpu import library
-from kiln.runtime.backends.cpu.outputs import Outputs
+from kiln.runtime.backends.cpu.outputs import LargeOutput, Outputs
 from kiln.runtime.backends.cpu.packing import I8_TYPES, pack
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.store.gguf_file import WeightSource
@@ -37,14 +37,16 @@ class PackedLinear:
 
     int8: the products on 8-bit activations (csrc/linear_i8.c) where every part's type has
     them and K is whole blocks of 32; the fp32 products (csrc/linear.c) otherwise.
-    reuse_output: a decode step's output is the layer's buffer (outputs.py), valid until the
-    layer runs again; never for the LM head, whose logits the engine keeps for the step."""
+    out: where the outputs go (outputs.py): a decode step's into the layer's own buffer, valid
+    until the layer runs again, a larger step's into the one its width shares with the
+    backend's other products; None (a new tensor each call) for the LM head, whose logits
+    the engine keeps for the step."""
 
     __slots__ = ("blocks", "parts", "cols", "rows", "bias", "lib", "threads", "int8", "_args",
                  "_out")
 
     def __init__(self, sources: list[WeightSource], bias: torch.Tensor | None, lib, threads: int,
-                 int8: bool = False, reuse_output: bool = False):
+                 int8: bool = False, out: Outputs | None = None):
         self.cols = sources[0].cols
         if any(s.cols != self.cols for s in sources):
             raise ValueError("stacked weights must share their input size")
@@ -61,7 +63,9 @@ class PackedLinear:
         # the call's constant arguments, worked out once: this is the decode step's hot path
         self._args = (ctypes.addressof(self.parts), len(sources),
                       None if bias is None else bias.data_ptr())
-        self._out = Outputs(at) if reuse_output else None
+        if out is not None and out.cols != at:
+            raise ValueError(f"outputs of width {out.cols} for a product of {at}")
+        self._out = out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, cols] fp32, rows contiguous -> [T, rows] fp32."""
@@ -84,7 +88,7 @@ class PackedEmbedding:
 
     def __init__(self, source: WeightSource, lib, threads: int):
         self.source = source
-        self.linear = PackedLinear([source], None, lib, threads, reuse_output=False)
+        self.linear = PackedLinear([source], None, lib, threads)
         self.qtype, self.blocks = int(source.qtype), self.linear.blocks[0]
         self.dim, self.lib, self.threads = source.cols, lib, threads
 
@@ -112,8 +116,9 @@ class CpuBackend:
         `--dtype auto` sets both, `--dtype float32` neither (logits within 1e-4 of
         transformers').
         reuse_outputs: each layer operation's output of a decode step is a buffer of its own,
-        valid until it runs again (outputs.py), as the model's forward reads them; off, every
-        call returns a new tensor."""
+        valid until it runs again, a larger step's one that the operation's kind and width
+        share (outputs.py), as the model's forward reads them; off, every call returns a new
+        tensor."""
         self.lib = library.load(extra_flags)
         self.threads = threads or os.cpu_count() or 1
         self.bf16_products, self.int8_products = bf16_products, int8_products
@@ -132,6 +137,7 @@ class CpuBackend:
         self.torch_threads = self.threads if bf16_products else 1
         self.reuse_outputs = reuse_outputs
         self._outputs: dict[tuple[str, int], Outputs] = {}  # (op, width): norms, act, attention
+        self._large: dict[tuple[str, int], LargeOutput] = {}  # (op, width), "linear" for products
 
     def _output(self, op: str, rows: int, cols: int) -> torch.Tensor:
         """op's output for this step (with reuse_outputs valid until op runs again)."""
@@ -139,8 +145,14 @@ class CpuBackend:
             return torch.empty((rows, cols), dtype=torch.float32)
         out = self._outputs.get((op, cols))
         if out is None:
-            out = self._outputs[op, cols] = Outputs(cols)
+            out = self._outputs[op, cols] = Outputs(self._large_output(op, cols))
         return out(rows)
+
+    def _large_output(self, op: str, cols: int) -> LargeOutput:
+        large = self._large.get((op, cols))
+        if large is None:
+            large = self._large[op, cols] = LargeOutput(cols)
+        return large
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -150,8 +162,10 @@ class CpuBackend:
             from kiln.runtime.backends.cpu.bf16 import PackedBf16
 
             return PackedBf16(sources, b)
-        return PackedLinear(sources, b, self.lib, self.threads, self.int8_products,
-                            self.reuse_outputs)
+        out = None
+        if self.reuse_outputs:
+            out = Outputs(self._large_output("linear", sum(s.rows for s in sources)))
+        return PackedLinear(sources, b, self.lib, self.threads, self.int8_products, out)
 
     def embedding(self, source: WeightSource) -> PackedEmbedding:
         return PackedEmbedding(source, self.lib, self.threads)
@@ -164,8 +178,7 @@ class CpuBackend:
 
             return PackedBf16([weight], None)
         if source is not None or self.int8_products:  # tied in i8: a copy in the i8 layout
-            return PackedLinear([weight], None, self.lib, self.threads, self.int8_products,
-                                reuse_output=False)
+            return PackedLinear([weight], None, self.lib, self.threads, self.int8_products)
         return embedding.linear
 
     def vector(self, values: np.ndarray) -> torch.Tensor:
