@@ -60,7 +60,7 @@ def test_random_operations_keep_invariants_and_leak_nothing(operations):
         for req in live.values():
             assert len(kv.get_block_ids(req)) * BS >= req.num_computed_tokens
             # the runner's copy of the table, kept up to date in place
-            assert kv.block_table(req).tolist() == kv.get_block_ids(req)
+            assert kv.block_tables([req])[0].tolist() == kv.get_block_ids(req)
             # every full, computed block is in the prefix cache (indexed once, as filled)
             blocks = kv.req_to_blocks[req.request_id]
             assert all(b.block_hash is not None

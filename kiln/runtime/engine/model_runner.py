@@ -16,7 +16,7 @@ from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
-from kiln.runtime.sampling.sampler import cpu_draw_for, raw_logprobs
+from kiln.runtime.sampling.sampler import FEW_ROWS, cpu_draw_for, raw_logprobs
 
 
 @dataclass
@@ -65,11 +65,11 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
         contexts: positions, slots and lengths by numpy over the whole step, block tables
-        copied row by row from the KV manager's arrays."""
+        from the KV manager's arrays in one assignment."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
-        starts = np.fromiter((req.num_computed_tokens for req, _ in scheduled), np.int64,
-                             num_seqs)
+        reqs = [req for req, _ in scheduled]
+        starts = np.fromiter((req.num_computed_tokens for req in reqs), np.int64, num_seqs)
         counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
         ends = np.cumsum(counts)
         num_tokens = int(ends[-1])
@@ -79,29 +79,24 @@ class ModelRunner:
         max_query_len, max_seq_len = int(counts.max()), int(seq_lens.max())
         row_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
-        tables = [self.kv.block_table(req) for req, _ in scheduled]
-        block_tables = np.zeros((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
-        input_ids: list[int] = []
-        logits_indices, sampling_requests, prompt_rows, num_logits_rows = [], [], [], []
-        for i, ((req, n), table, start, end) in enumerate(
-                zip(scheduled, tables, starts.tolist(), ends.tolist(), strict=True)):
-            block_tables[i, :len(table)] = table
-            tokens = req.all_token_ids[start:start + n]
-            if len(tokens) < n:  # the drafts the step checks follow the last token
-                tokens = tokens + req.spec_token_ids[:n - len(tokens)]
-            input_ids += tokens
-            if start + n == req.num_tokens_with_spec:
-                k = len(req.spec_token_ids)
-                logits_indices.extend(range(end - 1 - k, end))
-                sampling_requests.append(req)
-                num_logits_rows.append(1 + k)
-            if req.options.prompt_logprobs is not None:
-                # Position p's logits score the token at p + 1; entries already made (before
-                # a preemption) are not made again.
-                lo = max(start, len(req.prompt_logprob_entries) - 1)
-                hi = min(start + n, req.num_prompt_tokens - 1)
-                if lo < hi:
-                    prompt_rows.append((req, end - n + lo - start, lo, hi))
+        tables = self.kv.block_tables(reqs)
+        block_tables = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int32)
+        if num_seqs <= FEW_ROWS:
+            for i, table in enumerate(tables):
+                block_tables[i, :len(table)] = table
+        else:  # one assignment, a few numpy calls whatever the rows
+            lengths = np.fromiter(map(len, tables), np.int64, num_seqs)
+            block_tables[np.arange(block_tables.shape[1]) < lengths[:, None]] = \
+                np.concatenate(tables)
+        if num_tokens == num_seqs and all(  # a decode: each row's last token, each samples
+                req.num_computed_tokens + 1 == len(req.all_token_ids)
+                and not req.spec_token_ids for req in reqs):
+            input_ids = [req.all_token_ids[-1] for req in reqs]
+            logits_indices, sampling_requests = list(range(num_seqs)), reqs
+            num_logits_rows, prompt_rows = [1] * num_seqs, []
+        else:
+            input_ids, logits_indices, sampling_requests, num_logits_rows, prompt_rows = \
+                self._rows(scheduled, starts.tolist(), ends.tolist())
         input_ids = np.array(input_ids, dtype=np.int64)
         slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs \
             + positions % bs
@@ -127,6 +122,31 @@ class ModelRunner:
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
                           prompt_logprob_rows=prompt_rows)
+
+    @staticmethod
+    def _rows(scheduled: list[tuple[Request, int]], starts: list[int], ends: list[int]):
+        """A step with prefill chunks or drafts, row by row: its tokens, the rows that
+        sample (and their requests and counts) and the rows that score prompt tokens."""
+        input_ids: list[int] = []
+        logits_indices, sampling_requests, prompt_rows, num_logits_rows = [], [], [], []
+        for (req, n), start, end in zip(scheduled, starts, ends, strict=True):
+            tokens = req.all_token_ids[start:start + n]
+            if len(tokens) < n:  # the drafts the step checks follow the last token
+                tokens = tokens + req.spec_token_ids[:n - len(tokens)]
+            input_ids += tokens
+            if start + n == req.num_tokens_with_spec:
+                k = len(req.spec_token_ids)
+                logits_indices.extend(range(end - 1 - k, end))
+                sampling_requests.append(req)
+                num_logits_rows.append(1 + k)
+            if req.options.prompt_logprobs is not None:
+                # Position p's logits score the token at p + 1; entries already made (before
+                # a preemption) are not made again.
+                lo = max(start, len(req.prompt_logprob_entries) - 1)
+                hi = min(start + n, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    prompt_rows.append((req, end - n + lo - start, lo, hi))
+        return input_ids, logits_indices, sampling_requests, num_logits_rows, prompt_rows
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor | None:

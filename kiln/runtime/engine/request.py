@@ -17,23 +17,18 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH = enum.auto()
-    FINISHED_ABORTED = enum.auto()
+    # (value, the API's finish_reason); read for every row of every step, so plain
+    # attributes of the members rather than properties over `value` (an enum descriptor)
+    WAITING = (1, None)
+    RUNNING = (2, None)
+    PREEMPTED = (3, None)
+    FINISHED_STOPPED = (4, "stop")
+    FINISHED_LENGTH = (5, "length")
+    FINISHED_ABORTED = (6, "abort")
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
-
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+    def __init__(self, _: int, finish_reason: str | None):
+        self.finish_reason = finish_reason
+        self.is_finished = finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -149,4 +144,4 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)
+        return self.status.finish_reason

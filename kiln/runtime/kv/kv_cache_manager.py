@@ -13,24 +13,28 @@ from kiln.runtime.kv.block_pool import BlockPool, KVCacheBlock, hash_block
 
 
 class BlockTable:
-    """One request's block ids, appended and truncated in place: [capacity] int32."""
+    """One request's block ids, appended and truncated in place: [capacity] int32, and
+    `view` the [size] in use (kept, not cut per read: the runner reads every row's a step)."""
 
-    __slots__ = ("ids", "size")
+    __slots__ = ("ids", "view")
 
     def __init__(self):
         self.ids = np.empty(16, dtype=np.int32)
-        self.size = 0
+        self.view = self.ids[:0]
 
     def extend(self, blocks: list[KVCacheBlock]) -> None:
-        end = self.size + len(blocks)
+        size = len(self.view)
+        end = size + len(blocks)
         if end > len(self.ids):
             self.ids = np.resize(self.ids, max(end, 2 * len(self.ids)))
-        self.ids[self.size:end] = [b.block_id for b in blocks]
-        self.size = end
+        self.ids[size:end] = [b.block_id for b in blocks]
+        self.view = self.ids[:end]
 
-    @property
-    def view(self) -> np.ndarray:  # [size] int32
-        return self.ids[:self.size]
+    def truncate(self, size: int) -> None:
+        self.view = self.ids[:size]
+
+
+_NO_BLOCKS = np.empty(0, dtype=np.int32)
 
 
 class KVCacheManager:
@@ -82,13 +86,13 @@ class KVCacheManager:
         """Give the request blocks for num_new_tokens more tokens; False (and no change) if
         the pool cannot. new_computed_blocks are prefix-cache hits it takes a reference on."""
         need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks)
+        if not need and not new_computed_blocks:  # a decode row inside its last block
+            return True
         # Hits on free blocks leave the free queue, so they are not available for `need`.
         free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need > self.block_pool.get_num_free_blocks() - free_hits:
             return False
         rid = request.request_id
-        if not need and not new_computed_blocks:  # a decode row inside its last block
-            return True
         blocks = self.req_to_blocks.setdefault(rid, [])
         table = self.req_to_table.get(rid)
         if table is None:
@@ -128,7 +132,7 @@ class KVCacheManager:
         if blocks is not None and len(blocks) > keep:
             self.block_pool.free_blocks(reversed(blocks[keep:]))
             del blocks[keep:]
-            self.req_to_table[rid].size = keep  # computed (and cached) blocks all stay
+            self.req_to_table[rid].truncate(keep)  # computed (and cached) blocks all stay
 
     def free(self, request: Request) -> None:
         # Reversed: the tail of a chain becomes evictable before its head.
@@ -141,11 +145,12 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
 
-    def block_table(self, request: Request) -> np.ndarray:
-        """The request's block ids, [num_blocks] int32: a view, valid until its next
+    def block_tables(self, requests: list[Request]) -> list[np.ndarray]:
+        """Each request's block ids, [num_blocks] int32: views, valid until its next
         allocation or trim."""
-        table = self.req_to_table.get(request.request_id)
-        return table.view if table is not None else np.empty(0, dtype=np.int32)
+        tables = self.req_to_table
+        return [tables[r.request_id].view if r.request_id in tables else _NO_BLOCKS
+                for r in requests]
 
     @property
     def usage(self) -> float:

@@ -8,7 +8,7 @@ checks below only guard the engine against values it cannot run with.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -28,6 +28,12 @@ class SamplingParams:
     seed: int | None = None  # never sticky: only the request that sent it
     think: bool | None = None  # None = the template's own default
     reasoning_effort: str | None = None
+    # Read for every row of every step (Sampler.build_metadata), so worked out once here:
+    # the sampler's columns (temperature, top_k, top_p, min_p, then the three penalties),
+    # whether the row is argmax and whether its penalties do anything.
+    columns: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    is_greedy: bool = field(init=False, repr=False, compare=False)
+    has_penalties: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -44,16 +50,11 @@ class SamplingParams:
             raise ValueError(f"repeat_last_n {self.repeat_last_n} must be >= -1")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed {self.seed} is outside signed 64-bit")
-
-    @property
-    def is_greedy(self) -> bool:
+        object.__setattr__(self, "columns", (
+            self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+            self.frequency_penalty, self.presence_penalty))
         # The contract: temperature 0 or top_k 1 is argmax and draws no random number.
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repeat_last_n != 0 and (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        object.__setattr__(self, "is_greedy", self.temperature == 0.0 or self.top_k == 1)
+        object.__setattr__(self, "has_penalties", self.repeat_last_n != 0 and (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0))

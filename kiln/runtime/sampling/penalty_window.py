@@ -30,4 +30,4 @@ def window_tokens(repeat_last_n: int, generated: Sequence[int],
         raise ValueError(f"repeat_last_n {repeat_last_n} must be >= -1")
     own = list(generated[-repeat_last_n:])
     need = repeat_last_n - len(own)
-    return (list(carried[-need:]) if need > 0 else []) + own
+    return list(carried[-need:]) + own if need > 0 and carried else own

@@ -9,6 +9,7 @@ one server generator that carries on; it hands each row a fresh stream every ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.sampling.grammar import build_grammar_bitmask
 from kiln.runtime.sampling.penalty_window import window_tokens
 
+FEW_ROWS = 8  # below this, numpy's per-call cost exceeds a Python loop's per-row cost
+
 
 class Sampler:
     def __init__(self, device: torch.device, use_triton: bool, seed: int | None = None):
@@ -33,69 +36,73 @@ class Sampler:
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         """Every column built on the host and sent in one copy; the batch flags come from
-        the host-side settings, so nothing here waits for the device."""
-        rows = [r.sampling for r in requests]
-        seeds, offsets, windows = [], [], []
-        for r in requests:
+        the host-side settings, so nothing here waits for the device. One pass over the rows
+        and whole-column numpy after it: at 256 rows a step this is the host's largest part
+        (bench/host_step.py)."""
+        n = len(requests)
+        seeds, offsets, drawn = [0] * n, [0] * n, []
+        windows, window_rows, biases, bias_rows = [], [], [], []
+        top_k = top_p = min_p = False
+        all_greedy, num_top = True, 0
+        for i, r in enumerate(requests):
             sp = r.sampling
             if sp.seed is not None:
-                seeds.append(sp.seed)
-                offsets.append(r.num_output_tokens)
-            elif sp.is_greedy:
-                seeds.append(0)
-                offsets.append(0)
-            else:
-                seeds.append(int(self.server_rng.integers(0, 2**63 - 1)))
-                offsets.append(0)
-            windows.append(window_tokens(sp.repeat_last_n, r.window_token_ids, r.window_prefix)
-                           if sp.has_penalties else [])
-        biases = [_row_bias(r) for r in requests]
-        width, bias_width = max(len(w) for w in windows), max(len(b) for b in biases)
+                seeds[i], offsets[i] = sp.seed, len(r.output_token_ids)
+            if not sp.is_greedy:
+                all_greedy = False
+                top_k, top_p, min_p = top_k or sp.top_k > 1, top_p or sp.top_p < 1, \
+                    min_p or sp.min_p > 0
+                if sp.seed is None:
+                    drawn.append(i)
+            if sp.has_penalties:
+                window_rows.append(i)
+                last, own = sp.repeat_last_n, r.window_token_ids
+                # a slice of the row's own tokens where no carried tail can count
+                windows.append(own[-last:] if last > 0 and (len(own) >= last
+                                                            or not r.window_prefix)
+                               else window_tokens(last, own, r.window_prefix))
+            if r.options.logit_bias or (r.stop_token_ids and r.grammar is None
+                                        and len(r.output_token_ids) < r.options.min_tokens):
+                bias_rows.append(i)
+                biases.append(_row_bias(r))
+            if r.options.logprobs:
+                num_top = max(num_top, r.options.logprobs)
+        if drawn:  # the server's stream, a draw per row in row order (as one at a time)
+            for i, seed in zip(drawn, self.server_rng.integers(
+                    0, 2**63 - 1, size=len(drawn)).tolist()):
+                seeds[i] = seed
+        # [n, 7]: temperature, top_k, top_p, min_p, the penalties (top_k exact in fp32 up to
+        # 2^24, past any vocabulary)
+        values = np.array([r.sampling.columns for r in requests], dtype=np.float32)
         columns = [
-            np.array([p.temperature for p in rows], dtype=np.float32),
+            values[:, 0],
             # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
-            np.array([min(p.top_k, vocab_size) for p in rows], dtype=np.int32),
-            np.array([p.top_p for p in rows], dtype=np.float32),
-            np.array([p.min_p for p in rows], dtype=np.float32),
-            np.array([p.repetition_penalty for p in rows], dtype=np.float32),
-            np.array([p.frequency_penalty for p in rows], dtype=np.float32),
-            np.array([p.presence_penalty for p in rows], dtype=np.float32),
-            np.array(seeds, dtype=np.int64),
-            np.array(offsets, dtype=np.int64),
+            np.minimum(values[:, 1], vocab_size).astype(np.int32),
+            *(values[:, j] for j in range(2, 7)),
+            np.array(seeds, dtype=np.int64), np.array(offsets, dtype=np.int64),
         ]
         optional = {}  # name -> index in columns
-        if width:
-            window_ids = np.full((len(requests), width), -1, dtype=np.int64)
-            for i, w in enumerate(windows):
-                window_ids[i, :len(w)] = w
+        if windows and (width := max(map(len, windows))):
             optional["window"] = len(columns)
-            columns.append(window_ids)
-        if bias_width:
-            bias_ids = np.full((len(requests), bias_width), -1, dtype=np.int64)
-            bias_values = np.zeros((len(requests), bias_width), dtype=np.float32)
-            for i, b in enumerate(biases):
-                bias_ids[i, :len(b)] = list(b)
-                bias_values[i, :len(b)] = list(b.values())
+            columns.append(_padded(n, window_rows, windows, width, np.int64, -1))
+        if biases and (bias_width := max(map(len, biases))):
             optional["bias"] = len(columns)
-            columns += [bias_ids, bias_values]
+            columns += [_padded(n, bias_rows, biases, bias_width, np.int64, -1),
+                        _padded(n, bias_rows, [b.values() for b in biases], bias_width,
+                                np.float32, 0.0)]
         bitmask = build_grammar_bitmask([r.grammar for r in requests], vocab_size)
         if bitmask is not None:
             optional["bitmask"] = len(columns)
             columns.append(bitmask.numpy())
         sent = self.staging.send(*columns)
-        sampled = [not p.is_greedy for p in rows]
-        flags = (any(s and p.top_k > 1 for s, p in zip(sampled, rows)),
-                 any(s and p.top_p < 1 for s, p in zip(sampled, rows)),
-                 any(s and p.min_p > 0 for s, p in zip(sampled, rows)),
-                 not any(sampled))
 
         def get(name: str, offset: int = 0):
             return sent[optional[name] + offset] if name in optional else None
 
         return SamplingMetadata(
             *sent[:7], window_token_ids=get("window"), seeds=sent[7], offsets=sent[8],
-            grammar_bitmask=get("bitmask"),
-            num_top_logprobs=max((r.options.logprobs or 0) for r in requests), flags=flags,
+            grammar_bitmask=get("bitmask"), num_top_logprobs=num_top,
+            flags=(top_k, top_p, min_p, all_greedy),
             bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
     def draft_logprobs(self, logits: torch.Tensor, rows: list[int], token_ids: list[int],
@@ -136,6 +143,22 @@ def raw_logprobs(logits: torch.Tensor,  # [N, V]: a row per token
         chosen, top_ids, top_values = logprobs_from_stats(raw, m, log_sum, ids, num_top)
     return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in
             zip(token_ids, chosen.tolist(), top_ids.tolist(), top_values.tolist())]
+
+
+def _padded(n: int, rows: list[int], values: list, width: int, dtype, fill) -> np.ndarray:
+    """[n, width]: row rows[i] holds values[i] (each iterable, at most width long) from its
+    start, the rest `fill`. A few rows are copied one by one; more in one assignment of all
+    their values (row-major, as the mask's True cells), a few numpy calls whatever n."""
+    out = np.full((n, width), fill, dtype=dtype)
+    if len(rows) <= FEW_ROWS:
+        for i, v in zip(rows, values):
+            out[i, :len(v)] = list(v)
+        return out
+    lengths = np.fromiter(map(len, values), np.int64, len(values))
+    cells = np.zeros((n, width), dtype=bool)
+    cells[rows] = np.arange(width) < lengths[:, None]
+    out[cells] = np.fromiter(chain.from_iterable(values), dtype, int(lengths.sum()))
+    return out
 
 
 def _row_bias(req: Request) -> dict[int, float]:
