@@ -67,18 +67,21 @@ class Sampler:
                 biases.append(_row_bias(r))
             if r.options.logprobs:
                 num_top = max(num_top, r.options.logprobs)
-        if drawn:  # the server's stream, a draw per row in row order (as one at a time)
-            for i, seed in zip(drawn, self.server_rng.integers(
-                    0, 2**63 - 1, size=len(drawn)).tolist()):
-                seeds[i] = seed
-        # [n, 7]: temperature, top_k, top_p, min_p, the penalties (top_k exact in fp32 up to
+        # The server's stream, a draw per row in row order: one call draws the same numbers
+        # as a call per row, and past a few rows costs less.
+        draws = self.server_rng.integers(0, 2**63 - 1, size=len(drawn)).tolist() \
+            if len(drawn) > FEW_ROWS else [int(self.server_rng.integers(0, 2**63 - 1))
+                                           for _ in drawn]
+        for i, seed in zip(drawn, draws):
+            seeds[i] = seed
+        # [7, n]: temperature, top_k, top_p, min_p, the penalties (top_k exact in fp32 up to
         # 2^24, past any vocabulary)
-        values = np.array([r.sampling.columns for r in requests], dtype=np.float32)
+        values = np.array([r.sampling.columns for r in requests], dtype=np.float32).T.copy()
         columns = [
-            values[:, 0],
+            values[0],
             # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
-            np.minimum(values[:, 1], vocab_size).astype(np.int32),
-            *(values[:, j] for j in range(2, 7)),
+            np.minimum(values[1], vocab_size).astype(np.int32),
+            *values[2:],
             np.array(seeds, dtype=np.int64), np.array(offsets, dtype=np.int64),
         ]
         optional = {}  # name -> index in columns

@@ -1,0 +1,61 @@
+"""Sampler.build_metadata's columns against a row-by-row construction of each: the server's
+draws in row order (one numpy call for many rows gives what a call per row gives), the
+penalty windows and the logit_bias padded, at a few rows (filled one by one) and at many
+(filled in one assignment)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.runtime.engine.engine_request import RequestOptions
+from kiln.runtime.engine.request import Request
+from kiln.runtime.sampling.params import SamplingParams
+from kiln.runtime.sampling.penalty_window import window_tokens
+from kiln.runtime.sampling.sampler import FEW_ROWS, Sampler
+
+VOCAB = 1000
+
+
+def _row(i: int) -> Request:
+    """Row i: sampled (unseeded, seeded) or greedy, some with penalties (windows of 4,
+    with a carried tail, or the whole reply) and some with a logit_bias or min_tokens."""
+    kind = i % 5
+    sampling = SamplingParams(
+        temperature=0.0 if kind == 2 else 0.7, top_k=40 * (i % 3), top_p=0.9,
+        seed=1000 + i if kind == 1 else None, repetition_penalty=1.1 if i % 2 else 1.0,
+        repeat_last_n=(4, -1, 64)[i % 3])
+    options = RequestOptions(logit_bias=((i, 2.0), (i + 7, -1.0)) if kind == 3 else (),
+                             min_tokens=50 if kind == 4 else 0, logprobs=i % 4 or None)
+    req = Request(f"r{i}", [1, 2, 3], sampling, max_tokens=100, options=options,
+                  stop_token_ids=frozenset({0, 9}))
+    for t in range(i % 7 + 1):
+        req.append_output_token(100 + 3 * i + t)
+    req.window_prefix = [500 + i, 501 + i] if i % 4 == 1 else []
+    return req
+
+
+@pytest.mark.parametrize("n", [5, FEW_ROWS + 12])
+def test_columns_are_built_row_by_row(n):
+    requests = [_row(i) for i in range(n)]
+    md = Sampler(torch.device("cpu"), use_triton=False, seed=7).build_metadata(requests, VOCAB)
+    server = np.random.default_rng(7)
+    seeds = [r.sampling.seed if r.sampling.seed is not None else
+             0 if r.sampling.is_greedy else int(server.integers(0, 2**63 - 1))
+             for r in requests]
+    assert md.seeds.tolist() == seeds
+    assert md.offsets.tolist() == [r.num_output_tokens if r.sampling.seed is not None else 0
+                                   for r in requests]
+    assert md.temperature.tolist() == pytest.approx([r.sampling.temperature for r in requests])
+    assert md.top_k.tolist() == [r.sampling.top_k for r in requests]
+    assert md.repetition_penalty.tolist() == pytest.approx(
+        [r.sampling.repetition_penalty for r in requests])
+    windows = [window_tokens(r.sampling.repeat_last_n, r.window_token_ids, r.window_prefix)
+               if r.sampling.has_penalties else [] for r in requests]
+    assert [[t for t in row if t >= 0] for row in md.window_token_ids.tolist()] == windows
+    biases = [dict(r.options.logit_bias) | ({0: -np.inf, 9: -np.inf}
+                                            if r.options.min_tokens else {})
+              for r in requests]
+    got = [{t: v for t, v in zip(ids, values) if t >= 0} for ids, values in
+           zip(md.bias_token_ids.tolist(), md.bias_values.tolist())]
+    assert got == biases
+    assert md.num_top_logprobs == max(r.options.logprobs or 0 for r in requests)
