@@ -29,11 +29,12 @@
 #include "blocks.h"
 #include "pool.h"
 
-/* x rounded to 8 bits per run of 16 k, per row: q [K], d [K / 16], and the sums of the
- * rounded x over each run (d times an exact integer sum) */
+/* x rounded to 8 bits per run of 16 k, per row: q [K], d [K / 16], the sums of the
+ * rounded x over each run (d times an exact integer sum) and those integer sums */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *n;
     int64_t K;
 } xq8;
 
@@ -47,16 +48,32 @@ static void quantize_row(const float *x, const xq8 *o, int64_t m) {
         /* rounded half to even, as nearbyintf; the sum of integers is exact in fp32 */
         const vf q = vf_min(vf_max(vf_round(vf_mul(xr, vf_set1(id))), lo), hi);
         vi_store_s8(o->q + m * K + 16 * r, vi_from_f(q));
+        const float sum = vf_sum(q);
         o->d[m * nr + r] = d;
-        o->s[m * nr + r] = d * vf_sum(q);
+        o->s[m * nr + r] = d * sum;
+        o->n[m * nr + r] = (int32_t)sum;
     }
 }
+
+/* Q8_0's quants are signed, and the integer dot products take one operand unsigned. With
+ * VNNI (whose sums never saturate) they go in as q + 128 (a xor per weight vector) against x
+ * as it is, the run's sum starting from -128 * sum(x) instead of 0; without it, |q| against
+ * x with q's sign (two more operations per dot product, per row). The same integers. */
+#if defined(__AVX512VNNI__)
+#define Q8_BIASED 1
+#else
+#define Q8_BIASED 0
+#endif
 
 /* quads s and s + 1 (s even) of a group's 32 k starting at a span */
 INLINE void quads(const int type, const span *sp, int s, vi *q0, vi *q1) {
     if (type == Q8_0) {
         *q0 = vi_load(sp->raw + 64 * s);
         *q1 = vi_load(sp->raw + 64 * s + 64);
+        if (Q8_BIASED) { /* q + 128, unsigned */
+            *q0 = vi_xor(*q0, vi_set1((int)0x80808080));
+            *q1 = vi_xor(*q1, vi_set1((int)0x80808080));
+        }
         return;
     }
     const vi v = vi_load(sp->planes + 32 * s), low4 = vi_set1(0x0F0F0F0F);
@@ -73,7 +90,8 @@ INLINE void quads(const int type, const span *sp, int s, vi *q0, vi *q1) {
 }
 
 INLINE vi dot(const int type, vi acc, vi q, vi x) {
-    return type == Q8_0 ? vi_dot_u8s8(acc, vi_abs8(q), vi_sign8(x, q)) : vi_dot_u8s8(acc, q, x);
+    return type == Q8_0 && !Q8_BIASED ? vi_dot_u8s8(acc, vi_abs8(q), vi_sign8(x, q))
+                                      : vi_dot_u8s8(acc, q, x);
 }
 
 /* Without VNNI the quads' 16-bit pair sums add up before one madd widens them: all four of
@@ -122,8 +140,11 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
                 __builtin_prefetch(w + (2 * ng + j) * gb + at + off);
         for (int h = 0; h < 2; h++) {
             vi isum[MR8][NG8], p16[MR8][NG8];
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < ng; j++) isum[i][j] = p16[i][j] = vi_set1(0);
+            for (int i = 0; i < mr; i++) {
+                const int64_t run = (i0 + i) * nr + k / 16 + h;
+                const vi start = vi_set1(type == Q8_0 && Q8_BIASED ? -128 * x->n[run] : 0);
+                for (int j = 0; j < ng; j++) isum[i][j] = start, p16[i][j] = vi_set1(0);
+            }
             for (int s = 4 * h; s < 4 * h + 4; s += 2) {
                 vi x0[MR8], x1[MR8];
                 for (int i = 0; i < mr; i++) {
@@ -263,10 +284,11 @@ int kiln_linear_i8(const float *x, int64_t M, int64_t K, int64_t ldx, const kiln
                    int64_t nparts, const float *bias, float *y, int64_t ldy, int nthreads) {
     if (M == 0) return 0;
     const int64_t nr = K / 16;
-    char *scratch = malloc(M * K + sizeof(float) * M * nr * 2);
+    char *scratch = malloc(M * K + sizeof(float) * M * nr * 3);
     if (!scratch) return -1;
     float *f = (float *)(scratch + M * K);
-    i8_args a = {x, ldx, {(int8_t *)scratch, f, f + M * nr, K}, M, parts, nparts, bias, y, ldy};
+    i8_args a = {x, ldx, {(int8_t *)scratch, f, f + M * nr, (int32_t *)(f + 2 * M * nr), K},
+                 M, parts, nparts, bias, y, ldy};
     kiln_parallel(quantize_task, &a, M > 16 ? nthreads : 1);
     kiln_parallel(product_task, &a, nthreads);
     free(scratch);

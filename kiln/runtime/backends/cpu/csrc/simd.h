@@ -47,6 +47,7 @@ INLINE vi vi_from_f(vf a) { return _mm512_cvtps_epi32(a); }
 INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+INLINE vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
 INLINE vi vi_srli(vi a, int n) { return _mm512_srli_epi32(a, n); }
 INLINE vi vi_slli(vi a, int n) { return _mm512_slli_epi32(a, n); }
 INLINE vi vi_srlv(vi a, vi n) { return _mm512_srlv_epi32(a, n); }
@@ -142,6 +143,7 @@ INLINE vi vi_from_f(vf a) { return VI2(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_ep
 INLINE vi vi_add(vi a, vi b) { return VI2(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)); }
 INLINE vi vi_and(vi a, vi b) { return VI2(_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)); }
 INLINE vi vi_or(vi a, vi b) { return VI2(_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)); }
+INLINE vi vi_xor(vi a, vi b) { return VI2(_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)); }
 INLINE vi vi_srli(vi a, int n) { return VI2(_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)); }
 INLINE vi vi_slli(vi a, int n) { return VI2(_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)); }
 INLINE vi vi_srlv(vi a, vi n) { return VI2(_mm256_srlv_epi32(a.lo, n.lo), _mm256_srlv_epi32(a.hi, n.hi)); }
