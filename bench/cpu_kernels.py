@@ -46,10 +46,11 @@ BS = 16
 ATTENTION = [(1, 300, 1, 1), (64, 300, 1, 1), (16, 300, 1, 30), (64, 300, 1, 30),
              (2, 512, 256, 1), (1, 640, 640, 1)]
 # (type, rows of x, outputs): smollm2's gate and up projections together, and its LM head;
-# 9 rows: one stream checking 8 drafted tokens
+# 9 rows: one stream checking 8 drafted tokens; Q5_0 is qwen2.5-coder's and gemma3's
 PRODUCTS = [(Q.Q4_1, 1, 3072), (Q.Q4_1, 9, 3072), (Q.Q4_1, 16, 3072), (Q.Q4_1, 64, 3072),
             (Q.Q4_1, 256, 3072), (Q.Q8_0, 1, 3072), (Q.Q8_0, 64, 3072),
-            (Q.Q8_0, 1, 49152), (Q.Q8_0, 4, 49152), (Q.Q8_0, 9, 49152)]
+            (Q.Q8_0, 1, 49152), (Q.Q8_0, 4, 49152), (Q.Q8_0, 9, 49152),
+            (Q.Q5_0, 1, 3072), (Q.Q5_0, 16, 3072), (Q.Q5_0, 64, 3072)]
 K = 576
 
 

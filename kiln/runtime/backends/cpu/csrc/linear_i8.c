@@ -14,15 +14,17 @@
  * bits are a 64-bit mask per quad (bit 4r + j), Q6_K's top two bits two masks per quad;
  * Q8_0's quants are quads of int8. packing.py writes it (layout "i8").
  *
- * The one order of the sums: for each run r of 16 k, the integer sum of q_w * q_x over its k,
- * exact in any order; then in fp32
+ * The one order of the sums: for each run r of 16 k, an exact integer sum over its k, then
+ * in fp32, for r ascending from acc = +0, then + bias:
+ *   - weights w = (q - bias) * scale (Q4_0, Q5_0, Q6_K: bias 8, 16, 32; Q8_0: 0): the sum
+ *     of (q_w - bias) * q_x, and  acc = fma(float(isum) * d_x, scale, acc);
+ *   - w = q * scale + off (Q4_1, Q4_K, Q5_K: off a float): the sum of q_w * q_x, and
  *     acc = fma(float(isum) * d_x, scale, acc);  acc = fma(off, sum_x, acc)
- * for r ascending from acc = +0, then + bias. The weights are w = q * scale + off (affine
- * types) or (q - bias) * scale, i.e. off = -bias * scale; sum_x is d_x times the sum of
- * q_x over the run (as ggml's Q8_1): the offsets see the same rounded x as the quants, so
- * the rounding error is x's error times w, not times the larger q * scale. Integer
- * sums are exact, so a row's bits depend neither on the batch, the tile, the thread nor the
- * instruction set (VNNI, AVX-512BW's or AVX2's maddubs give the same integers). */
+ *     with sum_x d_x times the sum of q_x over the run (as ggml's Q8_1).
+ * Either way the offsets see the same rounded x as the quants, so the rounding error is x's
+ * error times w, not times the larger q * scale. Integer sums are exact, so a row's bits
+ * depend neither on the batch, the tile, the thread nor the instruction set (VNNI,
+ * AVX-512BW's or AVX2's maddubs give the same integers). */
 #include <math.h>
 #include <stdlib.h>
 
@@ -57,13 +59,21 @@ static void quantize_row(const float *x, const xq8 *o, int64_t m) {
 
 /* Q8_0's quants are signed, and the integer dot products take one operand unsigned. With
  * VNNI (whose sums never saturate) they go in as q + 128 (a xor per weight vector) against x
- * as it is, the run's sum starting from -128 * sum(x) instead of 0; without it, |q| against
- * x with q's sign (two more operations per dot product, per row). The same integers. */
+ * as it is; without it, |q| against x with q's sign (two more operations per dot product,
+ * per row). The same integers. */
 #if defined(__AVX512VNNI__)
 #define Q8_BIASED 1
 #else
 #define Q8_BIASED 0
 #endif
+
+/* What the quants carry beyond w / scale (the type's bias, Q8_0's 128 where it goes in
+ * unsigned): each run's integer sum starts from minus it times sum(q_x), so it is the sum
+ * of (q_w - bias) * q_x, exact, with no float term for the offset. */
+INLINE int32_t carried(const int type) {
+    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32
+         : type == Q8_0 && Q8_BIASED ? 128 : 0;
+}
 
 /* quads s and s + 1 (s even) of a group's 32 k starting at a span */
 INLINE void quads(const int type, const span *sp, int s, vi *q0, vi *q1) {
@@ -142,7 +152,7 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
             vi isum[MR8][NG8], p16[MR8][NG8];
             for (int i = 0; i < mr; i++) {
                 const int64_t run = (i0 + i) * nr + k / 16 + h;
-                const vi start = vi_set1(type == Q8_0 && Q8_BIASED ? -128 * x->n[run] : 0);
+                const vi start = vi_set1(-carried(type) * x->n[run]);
                 for (int j = 0; j < ng; j++) isum[i][j] = start, p16[i][j] = vi_set1(0);
             }
             for (int s = 4 * h; s < 4 * h + 4; s += 2) {
@@ -175,12 +185,11 @@ INLINE void tile_t(const int type, const xq8 *x, int64_t i0, const uint8_t *w, i
                     for (int j = 0; j < ng; j++) isum[i][j] = vi_widen16(isum[i][j], p16[i][j]);
             for (int j = 0; j < ng; j++) {
                 const vf scale = sp[j].scale[type == Q6_K ? h : 0];
-                const vf off = affine ? sp[j].off : vf_mul(vf_set1((float)-sp[j].bias), scale);
                 for (int i = 0; i < mr; i++) {
                     const int64_t run = (i0 + i) * nr + k / 16 + h;
                     acc[i][j] = vf_fma(vf_mul(vf_from_i(isum[i][j]), vf_set1(x->d[run])), scale,
                                        acc[i][j]);
-                    if (type != Q8_0) acc[i][j] = vf_fma(off, vf_set1(x->s[run]), acc[i][j]);
+                    if (affine) acc[i][j] = vf_fma(sp[j].off, vf_set1(x->s[run]), acc[i][j]);
                 }
             }
         }
