@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def window_tokens(repeat_last_n: int, generated: Sequence[int],
+def window_tokens(repeat_last_n: int, generated: list[int],
                   carried: Sequence[int] = ()) -> list[int]:
     """The window's token ids, oldest first: the last repeat_last_n of carried + generated."""
     if repeat_last_n == 0:
@@ -28,6 +28,6 @@ def window_tokens(repeat_last_n: int, generated: Sequence[int],
         return [*carried, *generated]
     if repeat_last_n < -1:
         raise ValueError(f"repeat_last_n {repeat_last_n} must be >= -1")
-    own = list(generated[-repeat_last_n:])
+    own = generated[-repeat_last_n:]  # a list's slice is a new list: run once per row a step
     need = repeat_last_n - len(own)
     return list(carried[-need:]) + own if need > 0 and carried else own

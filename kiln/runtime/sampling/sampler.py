@@ -56,15 +56,11 @@ class Sampler:
                     drawn.append(i)
             if sp.has_penalties:
                 window_rows.append(i)
-                last, own = sp.repeat_last_n, r.window_token_ids
-                # a slice of the row's own tokens where no carried tail can count
-                windows.append(own[-last:] if last > 0 and (len(own) >= last
-                                                            or not r.window_prefix)
-                               else window_tokens(last, own, r.window_prefix))
-            if r.options.logit_bias or (r.stop_token_ids and r.grammar is None
-                                        and len(r.output_token_ids) < r.options.min_tokens):
+                windows.append(window_tokens(sp.repeat_last_n, r.window_token_ids,
+                                             r.window_prefix))
+            if bias := _row_bias(r):
                 bias_rows.append(i)
-                biases.append(_row_bias(r))
+                biases.append(bias)
             if r.options.logprobs:
                 num_top = max(num_top, r.options.logprobs)
         # The server's stream, a draw per row in row order: one call draws the same numbers
@@ -164,13 +160,17 @@ def _padded(n: int, rows: list[int], values: list, width: int, dtype, fill) -> n
     return out
 
 
-def _row_bias(req: Request) -> dict[int, float]:
+def _row_bias(req: Request) -> dict[int, float] | None:
     """The request's logit_bias, and -inf on its stop tokens while min_tokens is not reached
-    (not under a grammar: the grammar alone decides where structured output ends)."""
+    (not under a grammar: the grammar alone decides where structured output ends); None
+    where that is nothing (most rows: no dict built for them)."""
+    banned = req.stop_token_ids if req.grammar is None \
+        and len(req.output_token_ids) < req.options.min_tokens else ()
+    if not (req.options.logit_bias or banned):
+        return None
     bias = dict(req.options.logit_bias)
-    if req.num_output_tokens < req.options.min_tokens and req.grammar is None:
-        for token in req.stop_token_ids:
-            bias[token] = float("-inf")
+    for token in banned:
+        bias[token] = float("-inf")
     return bias
 
 
