@@ -395,6 +395,29 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(kv_be, window):
         assert torch.equal(one(slice(39 + pos, 40 + pos), tables[3], pos + 1)[0], full[39 + pos])
 
 
+# Many sequences of one position tile each (decode rows, drafted tokens) and one longer
+# chunk: past 4 per thread, a sequence of one tile is one unit of all its kv heads
+MANY = [(129, 1), (17, 1), (300, 5), (1, 1), (256, 1), (64, 16), (65, 1), (90, 3),
+        (337, 37), (33, 1), (16, 1), (200, 2)]
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (14, 2, 64)], ids=["smollm2", "qwen2.5"])
+@pytest.mark.parametrize("window", [0, 24])
+def test_attention_of_many_sequences_gives_each_row_its_own_bits(kv_be, heads, window):
+    H, KVH, D = heads
+    be = CpuBackend(kv_fp16=kv_be.kv_fp16, threads=2)
+    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(be, MANY, H, KVH, D)
+    full = _attend(be, q, cache, tables, seq_lens, qs, window)
+    ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
+                              D ** -0.5, sliding_window=window)
+    torch.testing.assert_close(full, ref, atol=2e-6, rtol=1e-5)
+    for i, (L, ql) in enumerate(MANY):  # each sequence alone: units of one kv head
+        rows = slice(qs[i], qs[i + 1])
+        alone = _attend(be, q[rows].contiguous(), cache, tables[i][None].contiguous(),
+                        torch.tensor([L], dtype=torch.int32), [0, ql], window)
+        assert torch.equal(alone, full[rows]), f"sequence {i}"
+
+
 def test_backend_attention_stores_through_the_slot_mapping(kv_be):
     """The backend's attention() writes this step's K/V where the slot mapping says (-1:
     nowhere), rounded to the cache's dtype, and then reads them back."""

@@ -146,70 +146,83 @@ static void values_rows(float *acc, int64_t D, const float *ps, const float *alp
     }
 }
 
-/* One work unit: kv head `kvh` of one sequence (its block table `bt`, `L` keys), query
- * positions [p0, p1) (rows: position x the G heads of the group) whose first is token tok0 of
- * q and out. Scratch: acc [rows, D], m, l, alpha [rows], s [rows, TK], qr [rows]. */
-static void unit(const attn_args *a, const int32_t *bt, int64_t L, int64_t kvh, int64_t p0,
-                 int64_t p1, int64_t tok0, float *acc, float *m, float *l, float *alpha,
-                 float *s, const float **qr) {
-    const int64_t D = a->D, G = a->G, R = (p1 - p0) * G, nv = D / 16;
-    const int64_t nblocks = (L + BS - 1) / BS;
+/* Key tile t (its blocks' keys kt and values vb, one kv head's) for rows [r0, r0 + n) of a
+ * unit, whose row r0 + i is position p0 + i / G: scores, the online softmax's step, values */
+INLINE void attend_tile(const attn_args *a, int64_t t, const char *const *kt,
+                        const char *const *vb, const float **qr, int64_t r0, int64_t n,
+                        int64_t p0, float *acc, float *m, float *l, float *alpha, float *s) {
+    const vf lane = vf_from_i(vi_lanes());
+    for (int64_t r = r0; r < r0 + n; r += RQ)
+        scores_any(qr + r, kt, a->D, s + r * TK, (int)(r0 + n - r < RQ ? r0 + n - r : RQ),
+                   a->half);
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const int64_t pos = p0 + (r - r0) / a->G;
+        const vf lo_v = vf_set1(a->window > 0 ? (float)(pos - a->window) : -1.0f);
+        const vf hi_v = vf_set1((float)pos), scale = vf_set1(a->scale);
+        float *sr = s + r * TK;
+        vf z[TB];
+        for (int u = 0; u < TB; u++)  /* the keys this row sees: pos - window < k <= pos */
+            z[u] = vf_keep_in(vf_mul(vf_load(sr + u * BS), scale),
+                              vf_add(lane, vf_set1((float)(t * TK + u * BS))), lo_v, hi_v);
+        const float m_new = fmaxf(m[r], vf_hmax(vf_max(vf_max(z[0], z[1]), vf_max(z[2], z[3]))));
+        if (m_new == -INFINITY) {  /* nothing visible yet: p = 0, alpha = 1 change nothing */
+            alpha[r] = 1.0f;
+            for (int u = 0; u < TB; u++) vf_store(sr + u * BS, vf_zero());
+            continue;
+        }
+        alpha[r] = exp1(m[r] - m_new);
+        vf p[TB];
+        for (int u = 0; u < TB; u++) {
+            p[u] = vf_exp(vf_sub(z[u], vf_set1(m_new)));
+            vf_store(sr + u * BS, p[u]);
+        }
+        l[r] = l[r] * alpha[r] + vf_sum(vf_add(vf_add(p[0], p[1]), vf_add(p[2], p[3])));
+        m[r] = m_new;
+    }
+    values_rows(acc, a->D, s, alpha, vb, r0, n, a->half);
+}
+
+/* One work unit: kv heads [h0, h0 + nh) of one sequence (its block table `bt`, `L` keys),
+ * query positions [p0, p1) (rows: kv head x position x the G heads of its group) whose first
+ * is token tok0 of q and out. A tile's keys are read for each kv head in turn: a cache
+ * block's heads lie side by side, so a unit of all of them reads each block in one run.
+ * Scratch: acc [rows, D], m, l, alpha [rows], s [rows, TK], qr [rows]. */
+static void unit(const attn_args *a, const int32_t *bt, int64_t L, int64_t h0, int64_t nh,
+                 int64_t p0, int64_t p1, int64_t tok0, float *acc, float *m, float *l,
+                 float *alpha, float *s, const float **qr) {
+    const int64_t D = a->D, G = a->G, Rh = (p1 - p0) * G, R = nh * Rh, nv = D / 16;
+    const int64_t nblocks = (L + BS - 1) / BS, esz = a->half ? 2 : 4;
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
-        qr[r] = a->q + (tok0 + r / G) * a->q_tok + (kvh * G + r % G) * a->q_head;
+        qr[r] = a->q + (tok0 + r % Rh / G) * a->q_tok + ((h0 + r / Rh) * G + r % G) * a->q_head;
     }
     for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
     const int64_t lo = a->window > 0 && p0 + 1 - a->window > 0 ? p0 + 1 - a->window : 0;
-    const vf lane = vf_from_i(vi_lanes());
     for (int64_t t = lo / TK; t <= (p1 - 1) / TK; t++) {
-        const char *kt[TB], *vb[TB];
-        const int64_t esz = a->half ? 2 : 4;
-        for (int u = 0; u < TB; u++) {
-            /* a block past the sequence's end holds no key any row sees: any block will do */
-            const int64_t b = t * TB + u, id = bt[b < nblocks ? b : 0];
-            kt[u] = a->kc + (id * a->kvh_n + kvh) * D * BS * esz;
-            vb[u] = a->vc + (id * a->kvh_n + kvh) * BS * D * esz;
-        }
         if (t < (p1 - 1) / TK)  /* the next tile's blocks: paged, so no stride to follow */
             for (int u = 0; u < TB; u++) {
                 const int64_t b = (t + 1) * TB + u, id = bt[b < nblocks ? b : 0];
-                const char *kn = a->kc + (id * a->kvh_n + kvh) * D * BS * esz;
-                const char *vn = a->vc + (id * a->kvh_n + kvh) * BS * D * esz;
-                for (int64_t off = 0; off < esz * D * BS; off += 64) {
+                const char *kn = a->kc + (id * a->kvh_n + h0) * D * BS * esz;
+                const char *vn = a->vc + (id * a->kvh_n + h0) * BS * D * esz;
+                for (int64_t off = 0; off < nh * esz * D * BS; off += 64) {
                     __builtin_prefetch(kn + off);
                     __builtin_prefetch(vn + off);
                 }
             }
-        for (int64_t r0 = 0; r0 < R; r0 += RQ)
-            scores_any(qr + r0, kt, D, s + r0 * TK, (int)(R - r0 < RQ ? R - r0 : RQ), a->half);
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t pos = p0 + r / G;
-            const vf lo_v = vf_set1(a->window > 0 ? (float)(pos - a->window) : -1.0f);
-            const vf hi_v = vf_set1((float)pos), scale = vf_set1(a->scale);
-            float *sr = s + r * TK;
-            vf z[TB];
-            for (int u = 0; u < TB; u++)  /* the keys this row sees: pos - window < k <= pos */
-                z[u] = vf_keep_in(vf_mul(vf_load(sr + u * BS), scale),
-                                  vf_add(lane, vf_set1((float)(t * TK + u * BS))), lo_v, hi_v);
-            const float m_new = fmaxf(m[r], vf_hmax(vf_max(vf_max(z[0], z[1]), vf_max(z[2], z[3]))));
-            if (m_new == -INFINITY) {  /* nothing visible yet: p = 0, alpha = 1 change nothing */
-                alpha[r] = 1.0f;
-                for (int u = 0; u < TB; u++) vf_store(sr + u * BS, vf_zero());
-                continue;
-            }
-            alpha[r] = exp1(m[r] - m_new);
-            vf p[TB];
+        for (int64_t kvh = h0; kvh < h0 + nh; kvh++) {
+            const char *kt[TB], *vb[TB];
             for (int u = 0; u < TB; u++) {
-                p[u] = vf_exp(vf_sub(z[u], vf_set1(m_new)));
-                vf_store(sr + u * BS, p[u]);
+                /* a block past the sequence's end holds no key any row sees: any will do */
+                const int64_t b = t * TB + u, id = bt[b < nblocks ? b : 0];
+                kt[u] = a->kc + (id * a->kvh_n + kvh) * D * BS * esz;
+                vb[u] = a->vc + (id * a->kvh_n + kvh) * BS * D * esz;
             }
-            l[r] = l[r] * alpha[r] + vf_sum(vf_add(vf_add(p[0], p[1]), vf_add(p[2], p[3])));
-            m[r] = m_new;
+            attend_tile(a, t, kt, vb, qr, (kvh - h0) * Rh, Rh, p0, acc, m, l, alpha, s);
         }
-        values_rows(acc, D, s, alpha, vb, 0, R, a->half);
     }
     for (int64_t r = 0; r < R; r++) {
-        float *dst = a->out + (tok0 + r / G) * a->o_tok + (kvh * G + r % G) * a->o_head;
+        float *dst = a->out + (tok0 + r % Rh / G) * a->o_tok +
+                     ((h0 + r / Rh) * G + r % G) * a->o_head;
         const vf lv = vf_set1(l[r]);
         for (int64_t c = 0; c < nv; c++)
             vf_store(dst + c * 16, vf_div(vf_load(acc + r * D + c * 16), lv));
@@ -220,6 +233,7 @@ typedef struct {
     attn_args a;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t bt_stride, num_seqs, total;
+    int whole; /* sequences of one position tile take all their kv heads in one unit */
     const int64_t *first; /* first[i]: sequence i's first unit */
     _Atomic int64_t next; /* the next unit to take */
 } attn_batch;
@@ -228,7 +242,7 @@ static void attention_task(void *ctx, int tid, int nt) {
     (void)tid, (void)nt;
     attn_batch *b = ctx;
     const attn_args *a = &b->a;
-    const int64_t R = QT * a->G, D = a->D;
+    const int64_t R = QT * a->G * a->kvh_n, D = a->D;
     /* qr [R] pointers, then acc [R, D], s [R, TK], m, l, alpha [R] floats, 64-byte aligned */
     const size_t ptrs = (sizeof(float *) * R + 63) / 64 * 64;
     const size_t bytes = (ptrs + sizeof(float) * (R * D + R * TK + 3 * R) + 63) / 64 * 64;
@@ -239,12 +253,13 @@ static void attention_task(void *ctx, int tid, int nt) {
     int64_t seq = 0;
     for (int64_t u; (u = atomic_fetch_add(&b->next, 1)) < b->total;) {
         while (b->first[seq + 1] <= u) seq++;
-        const int64_t k = u - b->first[seq], tile = k / a->kvh_n, kvh = k % a->kvh_n;
         const int64_t qs = b->query_start_loc[seq], ql = b->query_start_loc[seq + 1] - qs;
+        const int64_t nh = b->whole && ql <= QT ? a->kvh_n : 1, per_tile = a->kvh_n / nh;
+        const int64_t k = u - b->first[seq], tile = k / per_tile, h0 = k % per_tile;
         const int64_t L = b->seq_lens[seq], ctx_len = L - ql;
         const int64_t p0 = ctx_len + tile * QT, p1 = p0 + QT < L ? p0 + QT : L;
-        unit(a, b->block_tables + seq * b->bt_stride, L, kvh, p0, p1, qs + tile * QT, acc, m, l,
-             alpha, s, qr);
+        unit(a, b->block_tables + seq * b->bt_stride, L, h0, nh, p0, p1, qs + tile * QT, acc, m,
+             l, alpha, s, qr);
     }
     free(scratch);
 }
@@ -256,18 +271,22 @@ void kiln_attention(const float *q, int64_t q_tok, int64_t q_head, const void *k
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                     int64_t window, float *out, int64_t o_tok, int64_t o_head, int half,
                     int nthreads) {
-    /* units: per sequence, ceil(query_len / QT) position tiles x kv heads, taken in order */
+    /* units: per sequence, ceil(query_len / QT) position tiles x kv heads, taken in order;
+     * where sequences are many, one of a single position tile (a decode row, a few drafted
+     * tokens) takes all its kv heads in one unit. A row is computed alone either way. */
+    const int whole = num_seqs >= 4 * (int64_t)nthreads;
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     int64_t total = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         first[i] = total;
         const int64_t ql = query_start_loc[i + 1] - query_start_loc[i];
-        total += (ql + QT - 1) / QT * num_kv_heads;
+        total += whole && ql <= QT ? ql > 0 : (ql + QT - 1) / QT * num_kv_heads;
     }
     first[num_seqs] = total;
     attn_batch b = {{q, q_tok, q_head, out, o_tok, o_head, key_cache, value_cache, num_kv_heads,
                      head_dim, num_heads / num_kv_heads, scale, window, half},
-                    block_tables, seq_lens, query_start_loc, bt_stride, num_seqs, total, first, 0};
+                    block_tables, seq_lens, query_start_loc, bt_stride, num_seqs, total, whole,
+                    first, 0};
     kiln_parallel(attention_task, &b, total > 1 ? nthreads : 1);
     free(first);
 }
