@@ -361,12 +361,15 @@ def test_attention_matches_the_reference_on_a_mixed_batch(kv_be, heads, window):
 @pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512 to compare with the AVX2 build")
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (5, 1, 80)],
                          ids=["smollm2", "gemma3", "five-vectors"])
-def test_attention_in_the_avx2_build_gives_the_avx512_builds_bits(heads):
+@pytest.mark.parametrize("seqs", ["mixed", "many"])
+def test_attention_in_the_avx2_build_gives_the_avx512_builds_bits(heads, seqs):
     """The AVX2 build's register tiles are smaller (16 ymm), and a head of five vectors ends
     on a narrower tile: each score and output lane is still the same chain of operations."""
     H, KVH, D = heads
-    builds = CpuBackend(kv_fp16=True), CpuBackend(kv_fp16=True, extra_flags=("-mno-avx512f",))
-    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(builds[0], MIXED, H, KVH, D)
+    builds = (CpuBackend(kv_fp16=True, threads=2),
+              CpuBackend(kv_fp16=True, threads=2, extra_flags=("-mno-avx512f",)))
+    q, cache, ref_cache, tables, seq_lens, qs = _attention_case(
+        builds[0], MIXED if seqs == "mixed" else MANY, H, KVH, D)
     native, avx2 = (_attend(be, q, cache, tables, seq_lens, qs, 24) for be in builds)
     assert torch.equal(avx2, native)
     ref = paged_attention_ref(q, *ref_cache, tables, seq_lens, torch.tensor(qs, dtype=torch.int32),
