@@ -62,18 +62,21 @@ INLINE vi hi2_bits(const uint8_t *p) {
 typedef struct {
     vf scale[2];          /* Q6_K's second 16 k have a scale of their own */
     vf off;               /* affine types: w = q * scale + off */
-    int bias;             /* the others: w = (q - bias) * scale */
     const uint8_t *planes; /* pair p of k in 16 bytes at planes + 16 p */
     const uint8_t *hi;    /* the fifth bits (u16 per k) or Q6_K's top two (u32 per k) */
     const uint8_t *raw;   /* float types and Q8_0: 16 values per k */
 } span;
+
+/* The constant the other quantized types' quants carry: w = (q - bias) * scale */
+INLINE int quant_bias(const int type) {
+    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0;
+}
 
 INLINE void span_of(const int type, const uint8_t *g, int64_t k, span *s) {
     const int64_t sbl = sb_len(type);
     const uint8_t *sb = g + (k / sbl) * sb_bytes(type);
     const int64_t in = k % sbl; /* k's place in its super-block */
     s->off = vf_zero();
-    s->bias = 0;
     s->hi = NULL;
     switch (type) {
     case F32: s->raw = g + k * 64; break;
@@ -85,7 +88,6 @@ INLINE void span_of(const int type, const uint8_t *g, int64_t k, span *s) {
     case Q4_0: case Q4_1: case Q5_0:
         s->scale[0] = vf_f16x16(sb);
         if (type == Q4_1) s->off = vf_f16x16(sb + 32);
-        s->bias = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
         s->planes = sb + (type == Q4_0 ? 32 : type == Q4_1 ? 64 : 96);
         if (type == Q5_0) s->hi = sb + 32;
         break;
@@ -101,7 +103,6 @@ INLINE void span_of(const int type, const uint8_t *g, int64_t k, span *s) {
         const vf d = vf_f16x16(sb);
         for (int h = 0; h < 2; h++)
             s->scale[h] = vf_mul(d, vf_from_i(vi_load_s8((const int8_t *)sb + 32 + in + 16 * h)));
-        s->bias = 32;
         s->planes = sb + 288 + in / 2 * 16;
         s->hi = sb + 2336 + in * 4;
         break;

@@ -62,8 +62,8 @@ INLINE void span_pair(const int type, const span *s, int p, vf *w0, vf *w1) {
         *w0 = vf_fma(vf_from_i(q0), scale, s->off);
         *w1 = vf_fma(vf_from_i(q1), scale, s->off);
     } else {
-        *w0 = vf_mul(vf_from_i(vi_add(q0, vi_set1(-s->bias))), scale);
-        *w1 = vf_mul(vf_from_i(vi_add(q1, vi_set1(-s->bias))), scale);
+        *w0 = vf_mul(vf_from_i(vi_add(q0, vi_set1(-quant_bias(type)))), scale);
+        *w1 = vf_mul(vf_from_i(vi_add(q1, vi_set1(-quant_bias(type)))), scale);
     }
 }
 

@@ -71,8 +71,7 @@ static void quantize_row(const float *x, const xq8 *o, int64_t m) {
  * unsigned): each run's integer sum starts from minus it times sum(q_x), so it is the sum
  * of (q_w - bias) * q_x, exact, with no float term for the offset. */
 INLINE int32_t carried(const int type) {
-    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32
-         : type == Q8_0 && Q8_BIASED ? 128 : 0;
+    return type == Q8_0 && Q8_BIASED ? 128 : quant_bias(type);
 }
 
 /* quads s and s + 1 (s even) of a group's 32 k starting at a span */
