@@ -16,7 +16,7 @@
 #   LEVELS=1 REQUESTS=2 MAX_TOKENS=32 REPS=1 bench/spec.sh   # a quick check
 #
 # Environment: MODEL (smollm2:135m)  LEVELS (1,16)  REQUESTS (per level; 0 = kiln bench's
-#              default)  REPS (3)  MAX_TOKENS (192)  K (4: kiln's --num-speculative-tokens)
+#              default)  REPS (3)  MAX_TOKENS (192)  K (kiln's --num-speculative-tokens; unset: its default)
 #              CTX (4096)  THREADS (the CPU count)  OUT (bench/results)
 #              LLAMA_SERVER (as bench/compare.sh finds it; none found: kiln only)
 #              LLAMA_NO_REPACK=1 (llama-server --no-repack, as in bench/compare.sh: only where
@@ -31,7 +31,7 @@ LEVELS=${LEVELS:-1,16}
 REQUESTS=${REQUESTS:-0}
 REPS=${REPS:-3}
 MAX_TOKENS=${MAX_TOKENS:-192}
-K=${K:-4}
+K=${K:-$("$PY" -c "from kiln.runtime.drafting.config import SpeculativeConfig as S; print(S().num_speculative_tokens)")}
 LLAMA_NO_REPACK=${LLAMA_NO_REPACK:-0}
 CTX=${CTX:-4096}
 THREADS=${THREADS:-$("$PY" -c 'import os; print(os.cpu_count())')}

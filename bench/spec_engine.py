@@ -72,7 +72,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2:135m")
     ap.add_argument("--workloads", default="editing,quoting,free")
-    ap.add_argument("--k", default="4", help="--num-speculative-tokens values to try")
+    ap.add_argument("--k", default=str(SpeculativeConfig().num_speculative_tokens),
+                    help="--num-speculative-tokens values to try")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--streams", type=int, default=1, help="requests decoded together")
     ap.add_argument("--rounds", type=int, default=3,

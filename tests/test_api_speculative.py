@@ -20,6 +20,10 @@ def perimeter(width, height):
 AGAIN = [{"role": "user", "content": f"Repeat this code exactly:\n{CODE}"},
          {"role": "assistant", "content": CODE},
          {"role": "user", "content": "Again, the same code."}]
+# The same, then text of its own: sampled choices that copy, then part ways (drafted tokens
+# the model agrees with skip the sampler, so choices that only copy are all alike).
+THEN_SAY = AGAIN[:-1] + [{"role": "user",
+                          "content": "Again, the same code, then a sentence on what it is for."}]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +79,7 @@ def test_seeded_choices_with_logprobs_repeat(server):
     seeded = {**GREEDY, "temperature": 0.8, "presence_penalty": 0.5}
 
     def ask():
-        return client.chat.completions.create(model=MODEL, messages=AGAIN, max_tokens=40,
+        return client.chat.completions.create(model=MODEL, messages=THEN_SAY, max_tokens=40,
                                               n=2, seed=7, logprobs=True, top_logprobs=2,
                                               extra_body=seeded)
 
@@ -85,3 +89,4 @@ def test_seeded_choices_with_logprobs_repeat(server):
         assert [t.logprob for t in a.logprobs.content] == [t.logprob for t in b.logprobs.content]
     assert first.choices[0].message.content != first.choices[1].message.content
     assert len(first.choices[0].logprobs.content) > 0
+    assert first.usage.completion_tokens_details.accepted_prediction_tokens > 0

@@ -186,9 +186,10 @@ def test_drafts_that_keep_missing_are_soon_hardly_made(smollm2):
     eng.drafter = WrongDrafter()
     req = make_request(eng, "f", ids, GREEDY, max_tokens=150)
     assert run_to_completion(eng, [req]) == want
-    # A miss cuts the next draft to one token; misses in a row pause drafting for 4, 8, ...
-    # 64 steps: 150 tokens cost 4 + 1 + 1 + 1 + 1 + 1 drafted ones.
-    assert req.num_accepted_tokens == 0 and req.num_drafted_tokens <= 10, req.draft_pace
+    # Three misses in a row pause drafting for 2 steps, then 4, 8, ... 64: of 150 steps, 9
+    # check drafts (at steps 1, 2, 3, 6, 11, 20, 37, 70 and 135).
+    k = SPEC.num_speculative_tokens
+    assert req.num_accepted_tokens == 0 and req.num_drafted_tokens <= 9 * k, req.draft_pace
 
 
 def test_under_load_only_replies_drafting_cannot_change_stop_drafting(smollm2, copy_ids):
@@ -227,20 +228,36 @@ def test_the_load_limit_is_the_cpus_measured_one_unless_told():
 
 def test_prompt_lookup_proposes_what_followed_the_latest_earlier_match():
     index = NgramIndex(2, 3)
-    assert index.propose([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # "2 3" was followed by 4
+    assert index.propose([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9]  # "2 3" was followed by 4 9
     index.extend([1, 2, 3, 4, 9, 2, 3, 4])
     assert index.propose([1, 2, 3, 4, 9, 2, 3, 4], 2) == [9, 2]  # "2 3 4": the longest
     assert NgramIndex(2, 3).propose([5, 6, 7, 8], 4) == []  # nothing repeats
     assert NgramIndex(2, 2).propose([7, 7, 7], 4) == [7]  # up to the end
 
 
-def test_pace_backs_off_after_misses_and_grows_after_full_acceptance():
+def test_a_draft_is_no_longer_than_the_match_that_proposed_it():
+    copied = list(range(100, 120))
+    text = copied + [5, 6] + copied[:6]  # the end repeats 6 tokens of the start
+    assert NgramIndex(2, 8).propose(text, 16) == copied[6:12]
+    assert NgramIndex(2, 8).propose(text, 4) == copied[6:10]  # and no longer than k
+    assert NgramIndex(2, 3).propose(text, 16) == copied[6:9]  # a match counts to ngram_max
+    assert NgramIndex(2, 8).propose(copied + [5, 6, 100, 101], 8) == copied[2:4]
+
+
+def test_pace_pauses_after_three_misses_in_a_row_for_longer_each_time():
     pace = DraftPace(4)
     assert pace.next_length() == 4
-    pace.record(4, 1)
-    assert pace.next_length() == 2  # one kept: try one more next time
-    pace.record(2, 2)
-    assert pace.next_length() == 3
-    pace.record(3, 0)
-    pace.record(1, 0)  # two misses in a row: a pause
-    assert [pace.next_length() for _ in range(5)] == [0, 0, 0, 0, 1]
+    pace.record(4, 0)
+    pace.record(4, 1)  # a kept token ends the streak
+    pace.record(4, 0)
+    pace.record(4, 0)
+    assert pace.next_length() == 4  # two misses in a row: drafts go on, as long
+    pace.record(4, 0)  # three: a pause of 2 steps, then 4, 8, ... 64
+    assert [pace.next_length() for _ in range(3)] == [0, 0, 4]
+    pace.record(4, 0)
+    assert [pace.next_length() for _ in range(5)] == [0, 0, 0, 0, 4]
+    for _ in range(10):
+        pace.record(4, 0)
+    assert pace.pause == 64
+    pace.record(0, 0)  # a step that drafted nothing changes nothing
+    assert pace.pause == 64 and pace.misses == 14

@@ -10,6 +10,7 @@ import sys
 import time
 
 from kiln.bench.cli import add_bench_parser
+from kiln.runtime.drafting.config import SpeculativeConfig
 from kiln.runtime.store.catalogue import CATALOGUE, DEFAULT_MODEL
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # runtime.backends.DTYPES, without torch
@@ -45,8 +46,6 @@ def speculative_config(args):
     """--speculative and its flags (None: no drafting); a bad value is a ValueError."""
     if args.speculative is None:
         return None
-    from kiln.runtime.drafting.config import SpeculativeConfig
-
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min,
                              args.ngram_max, args.speculative_disable_by_batch_size)
 
@@ -57,12 +56,14 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                         "followed the last place the text's end occurred before (prompt "
                         "lookup). Off by default: it changes sampled replies (drafted tokens "
                         "the model agrees with skip the sampler)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
+    spec = SpeculativeConfig()
+    p.add_argument("--num-speculative-tokens", type=int, default=spec.num_speculative_tokens,
                    help="with --speculative: the most tokens drafted for one step")
-    p.add_argument("--ngram-min", type=int, default=3,
+    p.add_argument("--ngram-min", type=int, default=spec.ngram_min,
                    help="with --speculative ngram: the shortest text end matched, in tokens")
-    p.add_argument("--ngram-max", type=int, default=4,
-                   help="with --speculative ngram: the longest, tried first")
+    p.add_argument("--ngram-max", type=int, default=spec.ngram_max,
+                   help="with --speculative ngram: the longest, tried first; a draft is at "
+                        "most as many tokens as the match that proposed it")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    help="with --speculative: greedy requests without penalties (whose "
                         "replies drafting cannot change) do not draft while more than this "

@@ -10,9 +10,9 @@ METHODS = ("ngram",)
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # the most tokens drafted for one step (k)
-    ngram_min: int = 3  # prompt lookup: the shortest suffix matched, in tokens
-    ngram_max: int = 4  # the longest, tried first
+    num_speculative_tokens: int = 8  # the most tokens drafted for one step (k)
+    ngram_min: int = 2  # prompt lookup: the shortest suffix matched, in tokens
+    ngram_max: int = 8  # the longest, tried first; a draft is at most as long as its match
     # A request whose reply drafting cannot change (greedy without penalties) drafts only
     # while at most this many requests run: past it a step is bound by compute, where a kept
     # draft saves a step but no work and a rejected one is work lost. Other requests draft

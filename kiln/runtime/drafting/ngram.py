@@ -3,7 +3,12 @@
 Each request keeps an index from every n-gram of its sequence (prompt and reply, n from
 ngram_min to ngram_max) to where it last ended, extended as tokens arrive, so a proposal is a
 few dictionary lookups however long the context. The longest suffix that occurred before wins;
-the draft is what followed its latest earlier occurrence.
+the draft is what followed its latest earlier occurrence, and at most as many tokens as that
+suffix (vLLM's suffix decoding, max_spec_factor 1): a long match is text being copied, and its
+continuation is likely kept; a two-token match is as likely a coincidence, and a drafted token
+the model rejects costs a row of the step. Replaying the bench's greedy replies through this
+rule (bench/README.md, run Q) gave more tokens per unit of step time than drafting k tokens
+at every match.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class NgramIndex:
         for n in self.sizes:
             end = self.earlier.get(n)
             if end is not None:
-                return list(tokens[end:end + k])
+                return list(tokens[end:end + min(k, n)])
         return []
 
 
