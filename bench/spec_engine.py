@@ -80,6 +80,9 @@ def main() -> None:
                     help="rounds over the settings, each in turn, alternating the order")
     ap.add_argument("--ngram-min", type=int, default=SpeculativeConfig().ngram_min)
     ap.add_argument("--ngram-max", type=int, default=SpeculativeConfig().ngram_max)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="as kiln serve's --speculative-disable-by-batch-size (default: the "
+                         "device's)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--by-tokens", action="store_true",
                     help="also the median step by the tokens it read (rows and drafts)")
@@ -88,7 +91,8 @@ def main() -> None:
     args = ap.parse_args()
     model, _ = build_engine(args.model, EngineOptions(dtype=args.dtype, kv_cache_tokens=16384))
     settings = [None] + [SpeculativeConfig(num_speculative_tokens=int(k),
-                                           ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                                           ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                           disable_by_batch_size=args.disable_by_batch_size)
                          for k in args.k.split(",")]
     print(f"{args.model} --dtype {args.dtype}: {args.prompts} prompts a workload, "
           f"{args.max_tokens} tokens each, {args.streams} at a time, "
