@@ -22,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from spec_engine import run  # noqa: E402  (beside this file)
+
 from kiln.bench.spec_prompts import spec_prompt  # noqa: E402
 from kiln.runtime.drafting.ngram import NgramIndex  # noqa: E402
 from kiln.runtime.drafting.pace import DraftPace  # noqa: E402
 from kiln.runtime.engine.bootstrap import EngineOptions, build_engine  # noqa: E402
 from kiln.runtime.engine.config import EngineConfig  # noqa: E402
-from kiln.runtime.engine.engine_request import EngineRequest, RequestOptions  # noqa: E402
 from kiln.runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from kiln.runtime.sampling.params import SamplingParams  # noqa: E402
 
 
 def replies(model, kind: str, prompts: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -43,14 +43,7 @@ def replies(model, kind: str, prompts: int, max_tokens: int) -> list[tuple[list[
             break
     engine = LLMEngine(model, EngineConfig.build(model.ctx_len, model.max_prefill_len,
                                                  kv_cache_tokens=16384))
-    reqs = [engine.make_request(f"r{i}", EngineRequest(p, SamplingParams(temperature=0),
-                                                       RequestOptions(max_tokens=max_tokens)))
-            for i, p in enumerate(ids)]
-    for req in reqs:
-        engine.add_request(req)
-    while engine.has_unfinished():
-        engine.step()
-    return [(p, req.output_token_ids) for p, req in zip(ids, reqs)]
+    return list(zip(ids, run(engine, ids, max_tokens, streams=len(ids))[4]))
 
 
 def replay(prompt: list[int], reply: list[int], max_tokens: int, k: int, ngram: tuple[int, int],
