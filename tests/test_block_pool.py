@@ -57,6 +57,12 @@ def test_random_operations_keep_invariants_and_leak_nothing(operations):
         elif op == "free" and slot in live:
             kv.free(live.pop(slot))
         _check_invariants(kv.block_pool)
+        # the runner's tables: one gather of every live request's row, zero past its blocks
+        # (rows are truncated by drafts and reused after a free)
+        reqs = list(live.values())
+        for req, row in zip(reqs, kv.block_tables(reqs).tolist()):
+            ids = kv.get_block_ids(req)
+            assert row == ids + [0] * (len(row) - len(ids))
         for req in live.values():
             assert len(kv.get_block_ids(req)) * BS >= req.num_computed_tokens
             # the runner's copy of the table, kept up to date in place

@@ -59,3 +59,58 @@ def test_columns_are_built_row_by_row(n):
            zip(md.bias_token_ids.tolist(), md.bias_values.tolist())]
     assert got == biases
     assert md.num_top_logprobs == max(r.options.logprobs or 0 for r in requests)
+
+
+def _same_columns(carried, fresh) -> None:
+    """The same metadata, each row's penalty window as a multiset (the kernel counts it)."""
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "seeds", "offsets",
+                 "bias_token_ids", "bias_values", "grammar_bitmask"):
+        a, b = getattr(carried, name), getattr(fresh, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), name
+    assert (carried.num_top_logprobs, carried.flags) == (fresh.num_top_logprobs, fresh.flags)
+    assert (carried.window_token_ids is None) == (fresh.window_token_ids is None)
+    if fresh.window_token_ids is not None:
+        assert [sorted(t for t in row if t >= 0) for row in carried.window_token_ids.tolist()] \
+            == [sorted(t for t in row if t >= 0) for row in fresh.window_token_ids.tolist()]
+
+
+def test_rows_carried_across_steps_give_what_a_fresh_build_gives():
+    """Rows that stay, leave, come back, join and move between steps, one or two new window
+    tokens a step (a 4-token ring wraps; a whole-reply window grows past the ring's first
+    width): each step's columns are those built from the requests alone."""
+    import copy
+
+    rng = np.random.default_rng(3)
+    pool = [_row(i) for i in range(40)]
+    carried = Sampler(torch.device("cpu"), use_triton=False, seed=7)
+    batch = pool[:20]
+    for step in range(30):
+        fresh = Sampler(torch.device("cpu"), use_triton=False)
+        fresh.server_rng = copy.deepcopy(carried.server_rng)
+        _same_columns(carried.build_metadata(batch, VOCAB), fresh.build_metadata(batch, VOCAB))
+        for r in batch:
+            for _ in range(1 + (step % 3 == 0 and r.request_id.endswith("1"))):
+                r.append_output_token(int(rng.integers(0, VOCAB)))
+        out = [r for r in batch if rng.random() > 0.1]  # some leave
+        joining = [r for r in pool if r not in batch and rng.random() < 0.2]
+        batch = out + joining
+        if step % 7 == 3:
+            rng.shuffle(batch)
+    assert carried.rows.window.shape[1] >= 16  # the whole-reply windows grew
+
+
+def test_carried_rows_sample_the_same_tokens():
+    """Through the CPU sampler: the same tokens and logprobs from carried and fresh rows."""
+    pool = [_row(i) for i in range(24)]
+    carried = Sampler(torch.device("cpu"), use_triton=False, seed=11)
+    logits = torch.randn(len(pool), VOCAB, generator=torch.Generator().manual_seed(0))
+    for _ in range(5):
+        fresh = Sampler(torch.device("cpu"), use_triton=False)
+        fresh.server_rng = __import__("copy").deepcopy(carried.server_rng)
+        a, b = carried(logits, pool), fresh(logits, pool)
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)
+        for r, t in zip(pool, a.token_ids.tolist()):
+            r.append_output_token(t)

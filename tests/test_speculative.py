@@ -171,6 +171,27 @@ def test_preempted_drafting_requests_lose_nothing(smollm2):
     assert eng.kv.block_pool.get_num_free_blocks() == eng.config.num_blocks
 
 
+def test_blocks_are_indexed_as_they_fill_and_tables_follow_trims(smollm2, copy_ids):
+    """A step indexes a request's blocks when one fills (kept drafts fill several at once,
+    rejected drafts trim slots off): after every step each running request's full computed
+    blocks are in the prefix cache, and the runner's table rows (one gather of all of them)
+    hold exactly its blocks, zero past them."""
+    eng = engine(smollm2)
+    for i, ids in enumerate([copy_ids, prompt(smollm2, FREE)]):
+        eng.add_request(make_request(eng, f"r{i}", ids, GREEDY, max_tokens=70))
+    bs = eng.config.block_size
+    while eng.has_unfinished():
+        eng.step()
+        running = eng.scheduler.running
+        tables = eng.kv.block_tables(running)
+        for req, row in zip(running, tables.tolist()):
+            blocks = eng.kv.req_to_blocks[req.request_id]
+            assert all(b.block_hash is not None for b in blocks[:req.num_computed_tokens // bs])
+            ids = eng.kv.get_block_ids(req)
+            assert row == ids + [0] * (len(row) - len(ids))
+    assert eng.num_accepted_tokens > 0 and eng.num_draft_tokens > eng.num_accepted_tokens
+
+
 class WrongDrafter:
     """Drafts the model never agrees with: what text the context does not foretell costs."""
 

@@ -24,7 +24,6 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.sampler import (
     Sampler,
-    fetch_samples,
     raw_choices,
     to_token_logprobs,
 )
@@ -129,7 +128,7 @@ class LLMEngine:
         self.stalled = not sched.scheduled
         if not sched.scheduled:
             return []
-        for req, _ in sched.scheduled:
+        for req in sched.admitted:  # a reply's first step: the tail it carries, if any
             if req.num_computed_tokens == req.num_cached_tokens and not req.output_token_ids \
                     and req.sampling.seed is None and req.sampling.has_penalties:
                 req.window_prefix = self.reply_tails.lookup(req.prompt_token_ids,
@@ -140,32 +139,38 @@ class LLMEngine:
             self.scheduler.update_after_step(sched.scheduled)
             return []
         reqs, now = inp.sampling_requests, time.monotonic()
-        starts = np.cumsum([0, *inp.num_logits_rows[:-1]]).tolist()
-        new = {req.request_id: ([], []) for req in reqs}  # tokens, logprobs of this step
         finished: dict[Request, RequestStatus] = {}
-        rejected = self._check_drafts(logits, inp, starts, new, finished, now)
-        sample = [(req, start + len(new[req.request_id][0]))
-                  for req, start in zip(reqs, starts) if req not in finished]
-        if sample:
+        # Per request, this step's tokens and logprobs: the drafts it kept, then its sample.
+        new, rejected = self._check_drafts(logits, inp, finished, now) \
+            if len(logits) > len(reqs) else ({}, {})
+        if new:  # a drafted row samples after its kept drafts, unless they finished it
+            starts = np.cumsum([0, *inp.num_logits_rows[:-1]]).tolist()
+            sample = [(req, start + len(new[req][0]) if req in new else start)
+                      for req, start in zip(reqs, starts) if req not in finished]
             sample_reqs = [req for req, _ in sample]
-            rows = logits[[row for _, row in sample]] if len(sample_reqs) < len(logits) \
-                else logits
+            rows = logits[[row for _, row in sample]]
+        else:
+            sample_reqs, rows = reqs, logits
+        sampled = []  # (request, token, logprob entry)
+        if sample_reqs:
             # The step's one device sync (with drafts, its second: raw_choices reads first).
-            out = fetch_samples(self.sampler(rows, sample_reqs))
-            for req, token, lp in zip(sample_reqs, out.token_ids,
-                                      to_token_logprobs(out, sample_reqs)):
-                status = self._take(req, token, now)
-                new[req.request_id][0].append(token)
-                new[req.request_id][1].append(lp)
-                if status is not None:
+            out = self.sampler.fetch(self.sampler(rows, sample_reqs))
+            sampled = list(zip(sample_reqs, out.token_ids, to_token_logprobs(out, sample_reqs)))
+            for req, token, _ in sampled:
+                if (status := self._take(req, token, now)) is not None:
                     finished[req] = status
         self.scheduler.update_after_step(sched.scheduled, rejected)
         for req, status in finished.items():
             self.scheduler.finish(req, status)
             self.requests.pop(req.request_id, None)
             self.reply_tails.record(req)
-        return [self._output(req, tokens, lps if req.options.logprobs is not None else None)
-                for req in reqs for tokens, lps in [new[req.request_id]]]
+        if not new:  # no drafts: every row sampled its one token (most steps)
+            return [self._output(req, [token], [lp]) for req, token, lp in sampled]
+        for req, token, lp in sampled:
+            tokens, logprobs = new.setdefault(req, ([], []))
+            tokens.append(token)
+            logprobs.append(lp)
+        return [self._output(req, *new[req]) for req in reqs]
 
     # --- speculative decoding ---
 
@@ -199,20 +204,21 @@ class LLMEngine:
         for req, draft in zip(asking, self.drafter.propose(asking, lengths)):
             req.spec_token_ids = draft
 
-    def _check_drafts(self, logits, inp, starts, new, finished, now) -> dict[str, int]:
+    def _check_drafts(self, logits, inp, finished, now
+                      ) -> tuple[dict[Request, tuple[list, list]], dict[str, int]]:
         """Keep each draft that equals the model's own choice at its position (and that the
         grammar allows, and that is no stop token before min_tokens), in order, up to the
-        first that does not; returns the drafts found wrong per request id."""
+        first that does not. Returns per drafted request the tokens kept and their logprobs,
+        and per request id the drafts found wrong."""
+        starts = np.cumsum([0, *inp.num_logits_rows[:-1]]).tolist()
         drafted = [(req, start) for req, start, n in
                    zip(inp.sampling_requests, starts, inp.num_logits_rows) if n > 1]
-        if not drafted:
-            return {}
         rows = [start + i for req, start in drafted for i in range(len(req.spec_token_ids))]
         choices = iter(raw_choices(logits, rows, [req for req, _ in drafted
                                                   for _ in req.spec_token_ids]))
-        rejected, kept_rows = {}, []
+        new, rejected = {}, {}
         for req, start in drafted:
-            drafts, kept = req.spec_token_ids, 0
+            drafts, tokens = req.spec_token_ids, []
             mine = [next(choices) for _ in drafts]
             for draft, choice in zip(drafts, mine):
                 if draft != choice or (draft in req.stop_token_ids and req.grammar is None
@@ -220,13 +226,12 @@ class LLMEngine:
                     break
                 if req.grammar is not None and not req.grammar.accept(draft):
                     break
-                kept += 1
+                tokens.append(draft)
                 status = self._take(req, draft, now, drafted=True)
-                new[req.request_id][0].append(draft)
                 if status is not None:
                     finished[req] = status
                     break
-            kept_rows.append([start + i for i in range(kept)])
+            kept = len(tokens)
             req.draft_pace.record(len(drafts), kept)
             req.num_drafted_tokens += len(drafts)
             req.num_accepted_tokens += kept
@@ -234,13 +239,12 @@ class LLMEngine:
             self.num_accepted_tokens += kept
             rejected[req.request_id] = len(drafts) - kept
             req.spec_token_ids = []
-        for (req, _), rows in zip(drafted, kept_rows):
-            if rows and req.options.logprobs is not None:
-                new[req.request_id][1].extend(self.sampler.draft_logprobs(
-                    logits, rows, new[req.request_id][0], req.options.logprobs))
+            if kept and req.options.logprobs is not None:
+                new[req] = (tokens, self.sampler.draft_logprobs(
+                    logits, list(range(start, start + kept)), tokens, req.options.logprobs))
             else:
-                new[req.request_id][1].extend([None] * len(rows))
-        return rejected
+                new[req] = (tokens, [None] * kept)
+        return new, rejected
 
     def _take(self, req: Request, token: int, now: float, drafted: bool = False
               ) -> RequestStatus | None:
@@ -265,23 +269,22 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if stopped:  # a stop string: ends in this step, not after the API's abort
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.ctx_len:
+        if len(req.output_token_ids) >= req.max_tokens \
+                or len(req.all_token_ids) >= self.config.ctx_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, req: Request, tokens: list[int], logprobs) -> RequestOutput:
-        first = req.num_output_tokens == len(tokens)  # the request's first output
+    def _output(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Read for every row of every step: attributes, not the request's properties."""
+        num_output, status, options = len(req.output_token_ids), req.status, req.options
+        first = num_output == len(tokens)  # the request's first output
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs,
-            finished=req.is_finished, finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
-            prompt_logprobs=req.prompt_logprob_entries
-            if first and req.options.prompt_logprobs is not None else None,
-            num_accepted_tokens=req.num_accepted_tokens,
-            num_rejected_tokens=req.num_drafted_tokens - req.num_accepted_tokens)
+            req.request_id, tokens, logprobs if options.logprobs is not None else None,
+            status.is_finished, status.finish_reason, len(req.prompt_token_ids),
+            max(req.num_cached_tokens, 0), num_output, req.first_token_time, req.arrival_time,
+            req.prompt_logprob_entries if first and options.prompt_logprobs is not None
+            else None, req.num_accepted_tokens,
+            req.num_drafted_tokens - req.num_accepted_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache()

@@ -16,7 +16,7 @@ from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
-from kiln.runtime.sampling.sampler import FEW_ROWS, cpu_draw_for, raw_logprobs
+from kiln.runtime.sampling.sampler import cpu_draw_for, raw_logprobs
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
         contexts: positions, slots and lengths by numpy over the whole step, block tables
-        from the KV manager's arrays in one assignment."""
+        in one gather of the KV manager's rows."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
         reqs = [req for req, _ in scheduled]
@@ -79,18 +79,10 @@ class ModelRunner:
         max_query_len, max_seq_len = int(counts.max()), int(seq_lens.max())
         row_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
-        tables = self.kv.block_tables(reqs)
-        block_tables = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int32)
-        if num_seqs <= FEW_ROWS:
-            for i, table in enumerate(tables):
-                block_tables[i, :len(table)] = table
-        else:  # one assignment, a few numpy calls whatever the rows
-            lengths = np.fromiter(map(len, tables), np.int64, num_seqs)
-            block_tables[np.arange(block_tables.shape[1]) < lengths[:, None]] = \
-                np.concatenate(tables)
-        if num_tokens == num_seqs and all(  # a decode: each row's last token, each samples
-                req.num_computed_tokens + 1 == len(req.all_token_ids)
-                and not req.spec_token_ids for req in reqs):
+        block_tables = self.kv.block_tables(reqs)
+        if num_tokens == num_seqs and not any(req.spec_token_ids for req in reqs) and (
+                np.fromiter((len(req.all_token_ids) for req in reqs), np.int64, num_seqs)
+                == seq_lens).all():  # a decode: each row's last token, each samples
             input_ids = [req.all_token_ids[-1] for req in reqs]
             logits_indices, sampling_requests = list(range(num_seqs)), reqs
             num_logits_rows, prompt_rows = [1] * num_seqs, []

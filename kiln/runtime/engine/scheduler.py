@@ -22,6 +22,7 @@ log = logging.getLogger("kiln")
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    admitted: list[Request] = field(default_factory=list)  # of them, those that were waiting
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -62,28 +63,33 @@ class Scheduler:
         it checks (drafted within the boundary)."""
         chunk = self.config.prefill_chunk_len
         boundary = (num_computed // chunk + 1) * chunk
-        return min(request.num_tokens_with_spec, boundary) - num_computed
+        # (the request's num_tokens_with_spec: a property read for every row of every step)
+        return min(len(request.all_token_ids) + len(request.spec_token_ids), boundary) \
+            - num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.token_budget
         # Running requests first, oldest first; preempt the newest when blocks run out.
+        running, allocate, scheduled = self.running, self.kv.allocate_slots, out.scheduled
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(running):
+            req = running[i]
             n = self._num_new_tokens(req, req.num_computed_tokens)
             if n > budget:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+            while not allocate(req, n):
+                victim = running.pop()
                 self._preempt(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                scheduled.append((req, n))
                 budget -= n
                 i += 1
+                if req.num_computed_tokens < len(req.prompt_token_ids):
+                    self._log_prefill_chunk(req, n)
         # Then admit waiting requests, oldest first, while blocks, budget and seats allow; a
         # choice of an n > 1 request waits (without holding the queue) for its first
         # choice's prefill, whose blocks it then takes from the prefix cache.
@@ -108,9 +114,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
+            out.admitted.append(req)
             budget -= n
-        for req, n in out.scheduled:
-            if req.num_computed_tokens < req.num_prompt_tokens:
+            if req.num_computed_tokens < len(req.prompt_token_ids):
                 self._log_prefill_chunk(req, n)
         return out
 
@@ -136,13 +142,15 @@ class Scheduler:
                           rejected: dict[str, int] | None = None) -> None:
         """rejected: per request id, drafts the step checked and found wrong. Their positions
         hold no valid KV: they are not computed, and blocks they alone used go back."""
-        rejected = rejected or {}
+        bs = self.kv.block_size
         for req, n in scheduled:
-            wrong = rejected.get(req.request_id, 0)
-            req.num_computed_tokens += n - wrong
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            wrong = rejected.get(req.request_id, 0) if rejected else 0
+            before = req.num_computed_tokens
+            req.num_computed_tokens = after = before + n - wrong
+            if after // bs > before // bs:  # a block filled: index it (hits are already)
+                self.kv.cache_full_blocks(req, after)
             if wrong:
-                self.kv.trim(req, req.num_computed_tokens + 1)
+                self.kv.trim(req, after + 1)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

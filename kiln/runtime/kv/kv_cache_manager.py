@@ -1,8 +1,8 @@
 """Per-request block tables on top of the BlockPool, with prefix-cache lookups.
 
 A step's bookkeeping is proportional to what the step changed, not to the requests'
-contexts: each request's block ids are also kept in a numpy array the runner copies rows of
-(BlockTable), and the prefix cache indexes only the blocks filled since the last step."""
+contexts: each request's block ids are also a row of one numpy array the runner gathers
+(BlockTables), and the prefix cache indexes only the blocks filled since the last step."""
 
 from __future__ import annotations
 
@@ -12,29 +12,46 @@ from kiln.runtime.engine.request import Request
 from kiln.runtime.kv.block_pool import BlockPool, KVCacheBlock, hash_block
 
 
-class BlockTable:
-    """One request's block ids, appended and truncated in place: [capacity] int32, and
-    `view` the [size] in use (kept, not cut per read: the runner reads every row's a step)."""
+class BlockTables:
+    """Every request's block ids as one row of a [rows, width] int32 array: a request holds a
+    row from its first block to its free, extended and truncated in place, and a step's
+    tables are one gather of its rows (vLLM's persistent block table). Row 0 stays empty,
+    for a request that holds no blocks."""
 
-    __slots__ = ("ids", "view")
+    def __init__(self, rows: int = 16, width: int = 16):
+        self.ids = np.zeros((rows, width), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int64)
+        self._free = list(range(rows - 1, 0, -1))
 
-    def __init__(self):
-        self.ids = np.empty(16, dtype=np.int32)
-        self.view = self.ids[:0]
+    def add(self) -> int:
+        if not self._free:
+            rows = len(self.ids)
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
 
-    def extend(self, blocks: list[KVCacheBlock]) -> None:
-        size = len(self.view)
+    def extend(self, row: int, blocks: list[KVCacheBlock]) -> None:
+        size = int(self.lengths[row])
         end = size + len(blocks)
-        if end > len(self.ids):
-            self.ids = np.resize(self.ids, max(end, 2 * len(self.ids)))
-        self.ids[size:end] = [b.block_id for b in blocks]
-        self.view = self.ids[:end]
+        if end > self.ids.shape[1]:
+            grown = np.zeros((len(self.ids), max(end, 2 * self.ids.shape[1])), dtype=np.int32)
+            grown[:, :self.ids.shape[1]] = self.ids
+            self.ids = grown
+        self.ids[row, size:end] = [b.block_id for b in blocks]
+        self.lengths[row] = end
 
-    def truncate(self, size: int) -> None:
-        self.view = self.ids[:size]
+    def truncate(self, row: int, size: int) -> None:
+        self.ids[row, size:self.lengths[row]] = 0  # a gather reads zeros past a row's blocks
+        self.lengths[row] = size
 
+    def release(self, row: int) -> None:
+        self.truncate(row, 0)
+        self._free.append(row)
 
-_NO_BLOCKS = np.empty(0, dtype=np.int32)
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), the longest's blocks] int32, zero past each row's blocks: a copy."""
+        return self.ids[rows, :int(self.lengths[rows].max(initial=0))]
 
 
 class KVCacheManager:
@@ -44,7 +61,8 @@ class KVCacheManager:
         self.model_id = model_id
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_table: dict[str, BlockTable] = {}
+        self.tables = BlockTables()
+        self.req_to_row: dict[str, int] = {}  # its row of `tables`
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already indexed
 
     def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
@@ -85,26 +103,30 @@ class KVCacheManager:
                        new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         """Give the request blocks for num_new_tokens more tokens; False (and no change) if
         the pool cannot. new_computed_blocks are prefix-cache hits it takes a reference on."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not new_computed_blocks and blocks is not None and \
+                request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return True  # a decode row inside its last block: most rows of most steps
         need = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks)
-        if not need and not new_computed_blocks:  # a decode row inside its last block
+        if not need and not new_computed_blocks:
             return True
         # Hits on free blocks leave the free queue, so they are not available for `need`.
         free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need > self.block_pool.get_num_free_blocks() - free_hits:
             return False
-        rid = request.request_id
-        blocks = self.req_to_blocks.setdefault(rid, [])
-        table = self.req_to_table.get(rid)
-        if table is None:
-            table = self.req_to_table[rid] = BlockTable()
+        if blocks is None:
+            blocks = self.req_to_blocks[rid] = []
+            self.req_to_row[rid] = self.tables.add()
+        row = self.req_to_row[rid]
         if new_computed_blocks:
             self.block_pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
-            table.extend(list(new_computed_blocks))
+            self.tables.extend(row, list(new_computed_blocks))
         if need:
             new_blocks = self.block_pool.get_new_blocks(need)
             blocks.extend(new_blocks)
-            table.extend(new_blocks)
+            self.tables.extend(row, new_blocks)
         return True
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -132,25 +154,27 @@ class KVCacheManager:
         if blocks is not None and len(blocks) > keep:
             self.block_pool.free_blocks(reversed(blocks[keep:]))
             del blocks[keep:]
-            self.req_to_table[rid].truncate(keep)  # computed (and cached) blocks all stay
+            self.tables.truncate(self.req_to_row[rid], keep)  # computed (and cached) stay
 
     def free(self, request: Request) -> None:
         # Reversed: the tail of a chain becomes evictable before its head.
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
-        self.req_to_table.pop(rid, None)
+        row = self.req_to_row.pop(rid, None)
+        if row is not None:
+            self.tables.release(row)
         self.num_cached_blocks.pop(rid, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, ())]
 
-    def block_tables(self, requests: list[Request]) -> list[np.ndarray]:
-        """Each request's block ids, [num_blocks] int32: views, valid until its next
-        allocation or trim."""
-        tables = self.req_to_table
-        return [tables[r.request_id].view if r.request_id in tables else _NO_BLOCKS
-                for r in requests]
+    def block_tables(self, requests: list[Request]) -> np.ndarray:
+        """[len(requests), the longest's blocks] int32: each request's block ids, zero past
+        them (a copy)."""
+        rows = self.req_to_row
+        return self.tables.gather(np.fromiter((rows.get(r.request_id, 0) for r in requests),
+                                              np.int64, len(requests)))
 
     @property
     def usage(self) -> float:

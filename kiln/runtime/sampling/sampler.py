@@ -22,7 +22,7 @@ from kiln.runtime.backends.cpu.race import CpuDraw
 from kiln.runtime.engine.request import Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.sampling.grammar import build_grammar_bitmask
-from kiln.runtime.sampling.penalty_window import window_tokens
+from kiln.runtime.sampling.sampler_rows import SamplerRows
 
 FEW_ROWS = 8  # below this, numpy's per-call cost exceeds a Python loop's per-row cost
 
@@ -32,67 +32,56 @@ class Sampler:
         self.device, self.use_triton = device, use_triton
         self.server_rng = np.random.default_rng(seed)
         self.staging = StagingBuffer(device)
+        self.rows = SamplerRows()
+        self._pinned: torch.Tensor | None = None  # CUDA: where the samples come back to
         self.cpu_draw = cpu_draw_for(device, use_triton)
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         """Every column built on the host and sent in one copy; the batch flags come from
-        the host-side settings, so nothing here waits for the device. One pass over the rows
-        and whole-column numpy after it: at 256 rows a step this is the host's largest part
-        (bench/host_step.py)."""
-        n = len(requests)
-        seeds, offsets, drawn = [0] * n, [0] * n, []
-        windows, window_rows, biases, bias_rows = [], [], [], []
-        top_k = top_p = min_p = False
-        all_greedy, num_top = True, 0
-        for i, r in enumerate(requests):
-            sp = r.sampling
-            if sp.seed is not None:
-                seeds[i], offsets[i] = sp.seed, len(r.output_token_ids)
-            if not sp.is_greedy:
-                all_greedy = False
-                top_k, top_p, min_p = top_k or sp.top_k > 1, top_p or sp.top_p < 1, \
-                    min_p or sp.min_p > 0
-                if sp.seed is None:
-                    drawn.append(i)
-            if sp.has_penalties:
-                window_rows.append(i)
-                windows.append(window_tokens(sp.repeat_last_n, r.window_token_ids,
-                                             r.window_prefix))
-            if bias := _row_bias(r):
-                bias_rows.append(i)
-                biases.append(bias)
-            if r.options.logprobs:
-                num_top = max(num_top, r.options.logprobs)
+        the host-side settings, so nothing here waits for the device. The rows' settings and
+        windows are carried from the last step (SamplerRows); what is worked out each step
+        is the server's draws, seeded rows' offsets, biases and grammar masks."""
+        rows, n = self.rows, len(requests)
+        rows.update(requests)
+        seeds, offsets = rows.seeds.copy(), np.zeros(n, dtype=np.int64)
+        if rows.seeded_rows:
+            offsets[rows.seeded_rows] = [len(requests[i].output_token_ids)
+                                         for i in rows.seeded_rows]
         # The server's stream, a draw per row in row order: one call draws the same numbers
         # as a call per row, and past a few rows costs less.
-        draws = self.server_rng.integers(0, 2**63 - 1, size=len(drawn)).tolist() \
-            if len(drawn) > FEW_ROWS else [int(self.server_rng.integers(0, 2**63 - 1))
-                                           for _ in drawn]
-        for i, seed in zip(drawn, draws):
-            seeds[i] = seed
+        drawn = rows.drawn_rows
+        if len(drawn) > FEW_ROWS:
+            seeds[drawn] = self.server_rng.integers(0, 2**63 - 1, size=len(drawn))
+        else:
+            for i in drawn.tolist():
+                seeds[i] = int(self.server_rng.integers(0, 2**63 - 1))
         # [7, n]: temperature, top_k, top_p, min_p, the penalties (top_k exact in fp32 up to
         # 2^24, past any vocabulary)
-        values = np.array([r.sampling.columns for r in requests], dtype=np.float32).T.copy()
+        values = rows.value_columns
         columns = [
             values[0],
             # top_k >= vocab keeps everything: clamp so any stored value fits in int32.
             np.minimum(values[1], vocab_size).astype(np.int32),
-            *values[2:],
-            np.array(seeds, dtype=np.int64), np.array(offsets, dtype=np.int64),
+            *values[2:], seeds, offsets,
         ]
         optional = {}  # name -> index in columns
-        if windows and (width := max(map(len, windows))):
+        if len(rows.window_rows) and rows.window.shape[1]:
             optional["window"] = len(columns)
-            columns.append(_padded(n, window_rows, windows, width, np.int64, -1))
+            columns.append(rows.window)
+        bias_rows, biases = [], []
+        for i in rows.biased_rows:
+            if bias := _row_bias(requests[i]):
+                bias_rows.append(i)
+                biases.append(bias)
         if biases and (bias_width := max(map(len, biases))):
             optional["bias"] = len(columns)
             columns += [_padded(n, bias_rows, biases, bias_width, np.int64, -1),
                         _padded(n, bias_rows, [b.values() for b in biases], bias_width,
                                 np.float32, 0.0)]
-        bitmask = build_grammar_bitmask([r.grammar for r in requests], vocab_size)
-        if bitmask is not None:
+        if rows.has_grammar:
             optional["bitmask"] = len(columns)
-            columns.append(bitmask.numpy())
+            columns.append(build_grammar_bitmask([r.grammar for r in requests],
+                                                 vocab_size).numpy())
         sent = self.staging.send(*columns)
 
         def get(name: str, offset: int = 0):
@@ -100,15 +89,38 @@ class Sampler:
 
         return SamplingMetadata(
             *sent[:7], window_token_ids=get("window"), seeds=sent[7], offsets=sent[8],
-            grammar_bitmask=get("bitmask"), num_top_logprobs=num_top,
-            flags=(top_k, top_p, min_p, all_greedy),
-            bias_token_ids=get("bias"), bias_values=get("bias", 1))
+            grammar_bitmask=get("bitmask"), num_top_logprobs=rows.num_top,
+            flags=rows.batch_flags, bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
     def draft_logprobs(self, logits: torch.Tensor, rows: list[int], token_ids: list[int],
                        num_top: int) -> list[TokenLogprob]:
         """Raw logprobs of accepted drafts (a greedy reply's are the same bits with drafting
         or without)."""
         return raw_logprobs(logits[rows], token_ids, num_top, self.cpu_draw)
+
+    def fetch(self, out: SamplerOutput) -> HostSamples:
+        """The step's one device-to-host copy: token ids (exact in float64), their logprobs
+        and the top-N, packed side by side; on CUDA into pinned memory, without a copy of
+        its own to wait for (the host waits once, for the sampler's last kernel)."""
+        n = out.top_token_ids.shape[1]
+        parts = [out.token_ids[:, None].double(), out.logprobs[:, None].double()]
+        if n:
+            parts += [out.top_token_ids.double(), out.top_logprobs.double()]
+        packed = torch.cat(parts, dim=1)
+        if packed.is_cuda:
+            if self._pinned is None or self._pinned.numel() < packed.numel():
+                self._pinned = torch.empty(max(packed.numel(), 1 << 14), dtype=torch.float64,
+                                           pin_memory=True)
+            host = self._pinned[:packed.numel()].view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+            torch.cuda.current_stream(packed.device).synchronize()
+            packed = host
+        packed = packed.numpy()
+        rows = len(packed)
+        return HostSamples(
+            packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(),
+            packed[:, 2:2 + n].astype(np.int64).tolist() if n else [[]] * rows,
+            packed[:, 2 + n:].tolist() if n else [[]] * rows)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         meta = self.build_metadata(requests, logits.shape[-1])
@@ -176,23 +188,13 @@ def _row_bias(req: Request) -> dict[int, float] | None:
 
 @dataclass
 class HostSamples:
-    """A step's sampled tokens on the host, with the logprobs the kernel computed."""
+    """A step's sampled tokens on the host, with the logprobs the kernel computed (the
+    top-N lists empty where no row asked for them)."""
 
     token_ids: list[int]
     logprobs: list[float]
     top_token_ids: list[list[int]]
     top_logprobs: list[list[float]]
-
-
-def fetch_samples(out: SamplerOutput) -> HostSamples:
-    """The step's one device-to-host copy: token ids (exact in float64), their logprobs and
-    the top-N, packed side by side."""
-    n = out.top_token_ids.shape[1]
-    packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
-                        out.top_token_ids.double(), out.top_logprobs.double()], dim=1)
-    packed = packed.cpu().numpy()
-    return HostSamples(packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(),
-                       packed[:, 2:2 + n].astype(np.int64).tolist(), packed[:, 2 + n:].tolist())
 
 
 def raw_choices(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
