@@ -10,7 +10,8 @@ its host work, the metadata, is what is left). Each batch runs `batch` sampled r
 step's inputs, the sampler's metadata, the step's bookkeeping (the scheduler's update, the
 prefix cache's new full blocks, the outputs). On a GPU none of it overlaps the forward, so a
 batch-1 step is never faster than this. A step's Python work should not grow with the
-context: compare the rows of one batch size.
+context: compare the rows of one batch size. The first column (host) is timed in a run of
+its own: the phases' timers cost ~0.5 us a call, and two phases are called once a row.
 """
 
 from __future__ import annotations

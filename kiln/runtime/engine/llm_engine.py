@@ -254,7 +254,7 @@ class LLMEngine:
         if req.grammar is not None and not drafted:
             dictated = req.grammar.dictates(token)
             accepted = req.grammar.accept(token)
-        req.append_output_token(token, dictated=dictated)
+        req.append_output_token(token, dictated)
         stopped = req.stop_strings is not None and req.stop_strings.feed(token)
         if req.first_token_time is None:
             req.first_token_time = now

@@ -214,12 +214,7 @@ def raw_choices(logits: torch.Tensor, rows: list[int], requests: list[Request]) 
 
 def to_token_logprobs(out: HostSamples, requests: list[Request]) -> list[TokenLogprob | None]:
     """Per row, the chosen token's raw logprob and its top-N, for rows that asked."""
-    result = []
-    for i, r in enumerate(requests):
-        n = r.options.logprobs
-        if n is None:
-            result.append(None)
-            continue
-        result.append(TokenLogprob(out.token_ids[i], out.logprobs[i],
-                                   list(zip(out.top_token_ids[i][:n], out.top_logprobs[i][:n]))))
-    return result
+    return [None if (n := r.options.logprobs) is None else TokenLogprob(
+        out.token_ids[i], out.logprobs[i],
+        list(zip(out.top_token_ids[i][:n], out.top_logprobs[i][:n])))
+        for i, r in enumerate(requests)]
