@@ -147,7 +147,7 @@ class Scheduler:
             wrong = rejected.get(req.request_id, 0) if rejected else 0
             before = req.num_computed_tokens
             req.num_computed_tokens = after = before + n - wrong
-            if after // bs > before // bs:  # a block filled: index it (hits are already)
+            if after // bs > before // bs:  # a block filled (prefix hits are indexed already)
                 self.kv.cache_full_blocks(req, after)
             if wrong:
                 self.kv.trim(req, after + 1)
