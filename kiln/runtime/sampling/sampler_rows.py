@@ -87,6 +87,8 @@ class SamplerRows:
         self.biased_rows = np.flatnonzero(self.biased).tolist()
         self.has_grammar = bool(self.grammar.any())
         self.num_top = int(self.top.max(initial=0))
+        # a ring's column is its count modulo this: its size, or never for a whole reply (-1)
+        self.window_wrap = np.where(self.window_size > 0, self.window_size, np.iinfo(np.int64).max)
         used = self.flags.any(axis=0).tolist()  # has_top_k, has_top_p, has_min_p, all_greedy
         self.batch_flags = (used[0], used[1], used[2], not self.sampled.any())
 
@@ -126,24 +128,22 @@ class SamplerRows:
             return
         lengths = np.fromiter(map(len, (r.window_token_ids for r in reqs)), np.int64, len(reqs))
         new = lengths - self.window_seen[rows]
-        if not new.any():
-            return
-        # Most steps put one token a row: those in one assignment, others one by one.
+        # Most steps put one token a row: those in one assignment, others one by one (a
+        # grammar's dictated tokens stay out of the window).
         if (new == 1).all():
-            one, tokens = rows, [r.window_token_ids[-1] for r in reqs]
-        else:
+            self._put(rows, np.array([r.window_token_ids[-1] for r in reqs], dtype=np.int64))
+        elif new.any():
             one = np.flatnonzero(new == 1)
-            tokens = [reqs[j].window_token_ids[-1] for j in one.tolist()]
-            one = rows[one]
-        self._put(one, np.array(tokens, dtype=np.int64))
-        for j in np.flatnonzero(new > 1).tolist():
-            for token in reqs[j].window_token_ids[self.window_seen[rows[j]]:]:
-                self._put(rows[j:j + 1], np.array([token], dtype=np.int64))
+            self._put(rows[one], np.array([reqs[j].window_token_ids[-1] for j in one.tolist()],
+                                          dtype=np.int64))
+            for j in np.flatnonzero(new > 1).tolist():
+                for token in reqs[j].window_token_ids[self.window_seen[rows[j]]:]:
+                    self._put(rows[j:j + 1], np.array([token], dtype=np.int64))
         self.window_seen[rows] = lengths
 
     def _put(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        size, count = self.window_size[rows], self.window_count[rows]
-        columns = np.where(size > 0, count % np.maximum(size, 1), count)  # -1: no wrap
+        count = self.window_count[rows]
+        columns = count % self.window_wrap[rows]
         if len(columns):
             self._fit_window(int(columns.max()) + 1)
         self.window[rows, columns] = tokens
