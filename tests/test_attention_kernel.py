@@ -285,3 +285,39 @@ def test_reference_rows_independent_of_other_sequences(device):
     call = lambda rows: paged_attention_ref(*seqs.step(rows), scale=0.125, sliding_window=20)
     alone = call([(0, 37, 38)])
     assert torch.equal(alone, call([(1, 17, 1), (0, 37, 38), (2, 100, 10)])[1:39])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group, window, dtype, partition", [
+    (3, 0, torch.float32, 512), (3, 20, torch.bfloat16, 64), (1, 0, torch.float16, 64),
+    (4, 7, torch.float32, 64)])
+def test_programs_of_several_query_tiles_give_each_row_its_bits(group, window, dtype,
+                                                                partition, device):
+    """A prefill program holding 2 or 4 query tiles (each K/V tile read once for all) against
+    programs of one: torch.equal, for prompts from scratch and chunks starting mid-tile,
+    beside decode rows and other chunks, split or not, with a window or not."""
+    heads, kv_heads = GQA[group]
+    seqs = make_sequences([75, 18, 110, 40], heads, kv_heads, 64, dtype, device)
+    rows = [(0, 0, 75), (1, 17, 1), (2, 37, 73), (3, 3, 37)]
+    call = lambda tiles: paged_attention(*seqs.step(rows), scale=0.125, sliding_window=window,
+                                         partition_size=partition, max_seq_len=110,
+                                         max_query_len=75, tiles=tiles)
+    one = call(1)
+    for tiles in (2, 4):
+        assert torch.equal(one, call(tiles)), f"{tiles} tiles: max diff " \
+            f"{(one - call(tiles)).abs().max()}"
+    ref = paged_attention_ref(*seqs.step(rows), scale=0.125, sliding_window=window)
+    assert_close(call(4), ref, *TOLERANCES[dtype])
+
+
+def test_the_host_gives_prefill_programs_several_tiles_where_a_prompt_fills_them():
+    from kiln.kernels.attention import prefill_tiles, sub_tiles
+    bf16, block_q = torch.bfloat16, 5
+    tiles = prefill_tiles(64, bf16)
+    # what compiles without spills: head_dim 256 and fp32 operands keep one tile
+    assert tiles > 1 and prefill_tiles(256, bf16) == prefill_tiles(64, torch.float32) == 1
+    assert sub_tiles(4, 4, 1, block_q, 64, bf16) == 1  # a decode step: a program per sequence
+    assert sub_tiles(300, 3, None, block_q, 64, bf16) == 1  # query lengths unknown
+    assert sub_tiles(30, 3, tiles * block_q - 1, block_q, 64, bf16) == 1
+    assert sub_tiles(300, 3, 256, block_q, 64, bf16) == tiles
+    assert query_programs(300, 3, 256, block_q, tiles) == 300 // (tiles * block_q) + 6

@@ -23,8 +23,10 @@ def test_gpu_check_dry_run_passes_every_check():
                     "decode step smollm2-135m batch 3 graphs invariant",
                     "batch 3 graphs cuBLAS", "batch 3 eager invariant",
                     "serving: greedy chat, whole vs streamed", "serving: SIGTERM",
-                    "torch.compile decode step smollm2-135m batch 3", "total"):
+                    "torch.compile decode step smollm2-135m batch 3",
+                    "prefill attention smollm2-135m 2 x 48 tiles=4", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
     # logits (two products), two attention cases and the decode grid's bits, two sampler
-    # checks, two products' rows, four replies' comparisons, four serving checks
-    assert out.count(" ok") == 17, out
+    # checks, two products' rows, four replies' comparisons, four serving checks, the
+    # prefill tiles' bits
+    assert out.count(" ok") == 18, out

@@ -19,7 +19,11 @@ cache and position:
 - a tile outside a row's causal window is an exact no-op for that row (P = 0 with alpha = 1,
   or alpha = 0 on a still-empty row), so the extra tiles a program walks for its other rows
   cannot perturb it;
-- block shapes depend only on the model (head_dim, GQA group), never on the batch.
+- block shapes depend only on the model (head_dim, GQA group), never on the batch;
+- a prefill program may hold up to four consecutive query tiles, reading each K/V tile once
+  for all of them (half or a quarter of a long prompt's K/V traffic): each tile's dots, masks
+  and sums are those of a program of one tile, and the extra key tiles it walks for its
+  neighbours are exact no-ops for it, so the host picks the count freely (sub_tiles).
 
 Split-KV (flash-decoding): at batch 1 a launch has only num_kv_heads programs per query tile,
 a few of an H200's 132 SMs. So every row's keys are cut into partitions of PARTITION_SIZE
@@ -39,30 +43,13 @@ import triton.language as tl
 
 from kiln.kernels import INTERPRET
 from kiln.kernels.attention_reduce import _reduce_partitions_kernel
-
-
-@triton.jit
-def _find_seq_idx(
-    query_start_loc_ptr,  # [num_seqs + 1] int32
-    q_block_idx,
-    num_seqs,
-    BLOCK_Q: tl.constexpr,
-):
-    """Largest seq i whose first query tile `query_start_loc[i] // BLOCK_Q + 2 * i` <= q_block_idx.
-
-    Seq i spans at most query_len // BLOCK_Q + 2 position-aligned tiles, so reserving that
-    many grid slots per sequence needs no host sync to build the grid.
-    """
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + 2 * mid
-        if first_tile <= q_block_idx:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+from kiln.kernels.attention_tile import (
+    _accumulate,
+    _find_seq_idx,
+    _query_rows,
+    _scores,
+    _store_rows,
+)
 
 
 # Values that change with the batch are not specialised on (Triton would compile a variant
@@ -106,6 +93,7 @@ def _paged_attention_kernel(
     PARTITION_SIZE: tl.constexpr,  # key positions per partition, a multiple of BLOCK_N
     SPLIT: tl.constexpr,  # the launch spans more than one partition: write partials
     DECODE: tl.constexpr,  # one query token a sequence: a program per sequence (no search)
+    SUB_TILES: tl.constexpr,  # query tiles a prefill program holds (1, 2 or 4), sharing K/V
     USE_SLIDING_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot operands (see _dot_dtype)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, so fp32 is not silently tf32
@@ -115,6 +103,7 @@ def _paged_attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, HEAD_DIM_PADDED)  # [HEAD_DIM_PADDED]
     head_idx = kv_head_idx * GROUP_SIZE + offs_m % GROUP_SIZE  # [BLOCK_M]
+    d_mask = offs_d < head_dim
     if DECODE:
         # One token a sequence (token i is sequence i's): a program per sequence, no search,
         # its rows the token's GROUP_SIZE heads. The same tiles of keys and the same dots
@@ -123,40 +112,59 @@ def _paged_attention_kernel(
         seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
         first_pos = seq_len - 1
         last_pos = first_pos
-        q_pos = first_pos + offs_m * 0  # [BLOCK_M] absolute positions
-        token_idx = seq_idx + offs_m * 0  # [BLOCK_M] rows of query/out
-        row_mask = offs_m < GROUP_SIZE
+        q_pos0 = first_pos + offs_m * 0  # [BLOCK_M] absolute positions
+        token_idx0 = seq_idx + offs_m * 0  # [BLOCK_M] rows of query/out
+        row_mask0 = offs_m < GROUP_SIZE
     else:
         q_block_idx = tl.program_id(0).to(tl.int64)
         seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs,
-                                BLOCK_Q).to(tl.int64)
+                                BLOCK_Q * SUB_TILES).to(tl.int64)
         q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)
         query_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int64) - q_start
         seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int64)
         context_len = seq_len - query_len
 
-        # This program's query tile covers absolute positions [tile_pos, tile_pos + BLOCK_Q).
-        tile_local = q_block_idx - (q_start // BLOCK_Q + 2 * seq_idx)
-        tile_pos = (context_len // BLOCK_Q + tile_local) * BLOCK_Q
+        # This program's SUB_TILES query tiles cover absolute positions [tile_pos, tile_pos +
+        # SUB_TILES * BLOCK_Q); tile t starts at tile_pos + t * BLOCK_Q, a multiple of
+        # BLOCK_Q as in a program of one tile.
+        tile_local = q_block_idx - (q_start // (BLOCK_Q * SUB_TILES) + 2 * seq_idx)
+        tile_pos = (context_len // (BLOCK_Q * SUB_TILES) + tile_local) * (BLOCK_Q * SUB_TILES)
         if tile_pos >= seq_len:
             return
         first_pos = tl.maximum(tile_pos, context_len)
-        last_pos = tl.minimum(tile_pos + BLOCK_Q, seq_len) - 1
+        last_pos = tl.minimum(tile_pos + BLOCK_Q * SUB_TILES, seq_len) - 1
+        q_pos0, token_idx0, row_mask0 = _query_rows(tile_pos, first_pos, last_pos, q_start,
+                                                    context_len, offs_m, GROUP_SIZE, BLOCK_Q)
+        if SUB_TILES > 1:
+            q_pos1, token_idx1, row_mask1 = _query_rows(
+                tile_pos + BLOCK_Q, first_pos, last_pos, q_start, context_len, offs_m,
+                GROUP_SIZE, BLOCK_Q)
+        if SUB_TILES > 2:
+            q_pos2, token_idx2, row_mask2 = _query_rows(
+                tile_pos + 2 * BLOCK_Q, first_pos, last_pos, q_start, context_len, offs_m,
+                GROUP_SIZE, BLOCK_Q)
+            q_pos3, token_idx3, row_mask3 = _query_rows(
+                tile_pos + 3 * BLOCK_Q, first_pos, last_pos, q_start, context_len, offs_m,
+                GROUP_SIZE, BLOCK_Q)
 
-        # Row m is query position tile_pos + m // GROUP_SIZE, head kv_head * GROUP + m % GROUP.
-        q_pos = tile_pos + offs_m // GROUP_SIZE  # [BLOCK_M] absolute positions
-        token_idx = q_start + q_pos - context_len  # [BLOCK_M] rows of query/out
-        row_mask = (offs_m < BLOCK_Q * GROUP_SIZE) & (q_pos >= first_pos) & (q_pos <= last_pos)
-    d_mask = offs_d < head_dim
-
-    q_offs = token_idx[:, None] * query_token_stride + head_idx[:, None] * query_head_stride
-    Q = tl.load(query_ptr + q_offs + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    Q = Q.to(DOT_DTYPE)  # Q: [BLOCK_M, HEAD_DIM_PADDED]
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    # Q, running max (log2 domain), running softmax denominator and output of each tile.
+    q_head = head_idx[:, None] * query_head_stride + offs_d[None, :]  # [BLOCK_M, HEAD_DIM_PADDED]
+    Q0 = tl.load(query_ptr + token_idx0[:, None] * query_token_stride + q_head,
+                 mask=row_mask0[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    if SUB_TILES > 1:
+        Q1 = tl.load(query_ptr + token_idx1[:, None] * query_token_stride + q_head,
+                     mask=row_mask1[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        m1, l1, acc1 = m0, l0, acc0
+    if SUB_TILES > 2:
+        Q2 = tl.load(query_ptr + token_idx2[:, None] * query_token_stride + q_head,
+                     mask=row_mask2[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        Q3 = tl.load(query_ptr + token_idx3[:, None] * query_token_stride + q_head,
+                     mask=row_mask3[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        m2, l2, acc2 = m0, l0, acc0
+        m3, l3, acc3 = m0, l0, acc0
 
     kv_start = 0
     if USE_SLIDING_WINDOW:
@@ -185,45 +193,46 @@ def _paged_attention_kernel(
                   + kv_head_idx * key_head_stride + offs_d[:, None])
         K = tl.load(key_cache_ptr + k_offs, mask=kv_mask[None, :] & d_mask[:, None],
                     other=0.0).to(DOT_DTYPE)  # K: [HEAD_DIM_PADDED, BLOCK_N]
-        S = tl.dot(Q, K, input_precision=DOT_PRECISION) * qk_scale  # S: [BLOCK_M, BLOCK_N]
-
-        causal = (offs_n[None, :] <= q_pos[:, None]) & kv_mask[None, :]  # [BLOCK_M, BLOCK_N]
-        if USE_SLIDING_WINDOW:  # HF: kv_idx > q_idx - W, the last W positions incl. itself
-            causal = causal & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        S = tl.where(causal, S, float("-inf"))
-
-        # Online softmax. A row that has seen no key yet keeps m_i = -inf; subtracting 0
-        # instead keeps it NaN-free and leaves it exactly empty (alpha = 0, p = 0).
-        m_new = tl.maximum(m_i, tl.max(S, 1))  # [BLOCK_M]
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M]
-        P = tl.exp2(S - m_sub[:, None])  # P: [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(P, 1)
+        P0, alpha0, m0, l0 = _scores(Q0, K, m0, l0, q_pos0, offs_n, kv_mask, qk_scale,
+                                     sliding_window, USE_SLIDING_WINDOW, DOT_PRECISION)
+        if SUB_TILES > 1:
+            P1, alpha1, m1, l1 = _scores(Q1, K, m1, l1, q_pos1, offs_n, kv_mask, qk_scale,
+                                         sliding_window, USE_SLIDING_WINDOW, DOT_PRECISION)
+        if SUB_TILES > 2:
+            P2, alpha2, m2, l2 = _scores(Q2, K, m2, l2, q_pos2, offs_n, kv_mask, qk_scale,
+                                         sliding_window, USE_SLIDING_WINDOW, DOT_PRECISION)
+            P3, alpha3, m3, l3 = _scores(Q3, K, m3, l3, q_pos3, offs_n, kv_mask, qk_scale,
+                                         sliding_window, USE_SLIDING_WINDOW, DOT_PRECISION)
 
         v_offs = (physical_block[:, None] * value_block_stride + slot[:, None] * value_slot_stride
                   + kv_head_idx * value_head_stride + offs_d[None, :])
         V = tl.load(value_cache_ptr + v_offs, mask=kv_mask[:, None] & d_mask[None, :],
                     other=0.0)  # V: [BLOCK_N, HEAD_DIM_PADDED]
-        acc = acc * alpha[:, None]
-        P = P.to(V.dtype).to(DOT_DTYPE)  # round P to the cache dtype, as on tensor cores
-        acc = tl.dot(P, V.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc0 = _accumulate(acc0, P0, alpha0, V, DOT_DTYPE, DOT_PRECISION)
+        if SUB_TILES > 1:
+            acc1 = _accumulate(acc1, P1, alpha1, V, DOT_DTYPE, DOT_PRECISION)
+        if SUB_TILES > 2:
+            acc2 = _accumulate(acc2, P2, alpha2, V, DOT_DTYPE, DOT_PRECISION)
+            acc3 = _accumulate(acc3, P3, alpha3, V, DOT_DTYPE, DOT_PRECISION)
 
-    if SPLIT:
-        # Rows outside this partition's part of their window stay empty; the reduction
-        # reads only the partitions a row's window touches, so it never sees them.
-        part_row = (token_idx * (GROUP_SIZE * tl.num_programs(1)) + head_idx) * num_partitions \
-            + partition_idx  # [BLOCK_M]
-        tl.store(part_max_ptr + part_row, m_i, mask=row_mask)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_mask)
-        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :], acc,
-                 mask=row_mask[:, None])
-    else:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only: every real row sees itself
-        acc = acc / l_i[:, None]
-        o_offs = token_idx[:, None] * out_token_stride + head_idx[:, None] * out_head_stride
-        tl.store(out_ptr + o_offs + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
+    num_heads = GROUP_SIZE * tl.num_programs(1)
+    _store_rows(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc0, m0, l0, token_idx0,
+                head_idx, row_mask0, d_mask, offs_d, partition_idx, num_partitions,
+                out_token_stride, out_head_stride, num_heads, HEAD_DIM_PADDED, SPLIT)
+    if SUB_TILES > 1:
+        _store_rows(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc1, m1, l1,
+                    token_idx1, head_idx, row_mask1, d_mask, offs_d, partition_idx,
+                    num_partitions, out_token_stride, out_head_stride, num_heads,
+                    HEAD_DIM_PADDED, SPLIT)
+    if SUB_TILES > 2:
+        _store_rows(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc2, m2, l2,
+                    token_idx2, head_idx, row_mask2, d_mask, offs_d, partition_idx,
+                    num_partitions, out_token_stride, out_head_stride, num_heads,
+                    HEAD_DIM_PADDED, SPLIT)
+        _store_rows(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc3, m3, l3,
+                    token_idx3, head_idx, row_mask3, d_mask, offs_d, partition_idx,
+                    num_partitions, out_token_stride, out_head_stride, num_heads,
+                    HEAD_DIM_PADDED, SPLIT)
 
 
 # Key positions per split-KV partition: a decode row at 4k context spreads over 8 programs
@@ -258,13 +267,33 @@ def is_decode_step(num_tokens: int, num_seqs: int, max_query_len: int | None) ->
     return max_query_len == 1 and num_tokens == num_seqs
 
 
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> int:
+    """Query tiles a prefill program holds, reading each K/V tile once for all of them: as
+    many as sm_90/sm_80 code keeps in registers without spilling (aot.py, 16-bit operands: at
+    head_dim 64, 2 tiles take 142-196 registers and 4 tiles 238-255 with spills; at 256, 2
+    tiles take 238-255; fp32 operands spill at 2 tiles already)."""
+    return 2 if dtype != torch.float32 and head_dim <= 128 else 1
+
+
+def sub_tiles(num_tokens: int, num_seqs: int, max_query_len: int | None, block_q: int,
+              head_dim: int, dtype: torch.dtype) -> int:
+    """Query tiles a program holds: one in a decode step and where no sequence brings a full
+    program of queries (or the host does not know), prefill_tiles otherwise. Any choice gives
+    each row the same bits (kernels/attention_tile.py)."""
+    tiles = prefill_tiles(head_dim, dtype)
+    if max_query_len is None or is_decode_step(num_tokens, num_seqs, max_query_len) \
+            or max_query_len < tiles * block_q:
+        return 1
+    return tiles
+
+
 def query_programs(num_tokens: int, num_seqs: int, max_query_len: int | None,
-                   block_q: int) -> int:
+                   block_q: int, tiles: int = 1) -> int:
     """The grid's first axis: a program per sequence in a decode step, otherwise room for
-    every sequence's position-aligned query tiles."""
+    every sequence's position-aligned programs of `tiles` query tiles."""
     if is_decode_step(num_tokens, num_seqs, max_query_len):
         return num_seqs
-    return num_tokens // block_q + 2 * num_seqs
+    return num_tokens // (block_q * tiles) + 2 * num_seqs
 
 
 def paged_attention(
@@ -280,6 +309,7 @@ def paged_attention(
     max_seq_len: int | None = None,  # host-known bound on seq_lens (saves a device sync)
     partition_size: int = PARTITION_SIZE,
     max_query_len: int | None = None,  # host-known bound on query lengths (1: decode grid)
+    tiles: int | None = None,  # query tiles a prefill program holds (1, 2, 4; sub_tiles's)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -321,7 +351,11 @@ def paged_attention(
         part_acc = torch.empty((num_tokens, num_heads, num_partitions, head_dim_padded),
                                dtype=torch.float32, device=query.device)
     decode = is_decode_step(num_tokens, num_seqs, max_query_len)
-    grid = (query_programs(num_tokens, num_seqs, max_query_len, block_q), num_kv_heads,
+    if tiles is None:
+        tiles = sub_tiles(num_tokens, num_seqs, max_query_len, block_q, head_dim,
+                          query.dtype)
+    assert tiles in (1, 2, 4) and not (decode and tiles > 1), tiles
+    grid = (query_programs(num_tokens, num_seqs, max_query_len, block_q, tiles), num_kv_heads,
             num_partitions)
     dot_dtype = _dot_dtype(query.dtype)
     _paged_attention_kernel[grid](
@@ -333,7 +367,7 @@ def paged_attention(
         block_tables.stride(0), num_partitions,
         GROUP_SIZE=group_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM_PADDED=head_dim_padded,
-        PARTITION_SIZE=partition_size, SPLIT=split, DECODE=decode,
+        PARTITION_SIZE=partition_size, SPLIT=split, DECODE=decode, SUB_TILES=tiles,
         USE_SLIDING_WINDOW=sliding_window > 0,
         # "tf32" is tl.dot's default and only affects fp32 operands, which always get "ieee".
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",

@@ -16,7 +16,7 @@ import torch
 
 from kiln.kernels import BLOCK_SIZE
 from kiln.kernels.activation import act_mul
-from kiln.kernels.attention import PARTITION_SIZE, paged_attention
+from kiln.kernels.attention import PARTITION_SIZE, paged_attention, prefill_tiles
 from kiln.kernels.kv_cache import rope_store_kvcache
 from kiln.kernels.matmul import matmul
 from kiln.kernels.rms_norm import add_rms_norm, rms_norm
@@ -111,7 +111,7 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
     slot_mapping = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def attention(window: int, length: int, query_len: int | None):
+    def attention(window: int, length: int, query_len: int | None, tiles: int | None):
         seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
 
         def launch():
@@ -119,14 +119,16 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
                                angles, angles, qk_norm)
             paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             D ** -0.5, sliding_window=window, max_seq_len=length,
-                            max_query_len=query_len)
+                            max_query_len=query_len, tiles=tiles)
         return launch
 
-    # The decode grid (steps of one token a sequence) and the general one.
-    launches += [(f"attention window={w} split={length > PARTITION_SIZE} decode={d}",
-                  attention(w, length, 1 if d else None))
+    # The decode grid (steps of one token a sequence), the general one, and the general one
+    # with programs of several query tiles (prefill steps with long chunks).
+    grids = [("decode", 1, None), ("general", None, 1), ("prefill", None, prefill_tiles(D, dtype))]
+    launches += [(f"attention window={w} split={length > PARTITION_SIZE} grid={grid}",
+                  attention(w, length, query_len, tiles))
                  for w in shapes.sliding_windows for length in (1, seq_len)
-                 for d in (False, True)]
+                 for grid, query_len, tiles in grids]
 
     B, V = 2, shapes.vocab_size
     logits = torch.zeros((B, V), dtype=logits_dtype, device=device)
