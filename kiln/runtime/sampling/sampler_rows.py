@@ -20,19 +20,19 @@ from kiln.runtime.sampling.penalty_window import window_tokens
 
 WIDTH_STEP = 16  # the ring's columns grow by this many
 
-# (name, dtype, fill) of each per-row array; `window` also has columns.
-_ARRAYS = (("values", np.float32, 0.0),   # [n, 7] SamplingParams.columns
-           ("seeds", np.int64, 0),         # [n] a seeded row's seed, else 0
-           ("seeded", np.bool_, False),    # [n]
-           ("sampled", np.bool_, False),   # [n] not argmax
-           ("window", np.int64, -1),       # [n, W] the ring, -1 padded
-           ("window_size", np.int64, 0),   # [n] repeat_last_n; 0 = no penalties
-           ("window_count", np.int64, 0),  # [n] tokens put in the ring so far
-           ("window_seen", np.int64, 0),   # [n] len(window_token_ids) when last put
-           ("biased", np.bool_, False),    # [n] a logit_bias, or min_tokens' banned stops
-           ("grammar", np.bool_, False),   # [n]
-           ("top", np.int64, 0),           # [n] logprobs' top-N asked
-           ("flags", np.bool_, False))     # [n, 3] top_k, top_p, min_p in use (sampled rows)
+# (name, dtype, fill, columns) of each per-row array: [n] or [n, columns]
+_ARRAYS = (("values", np.float32, 0.0, 7),     # SamplingParams.columns
+           ("seeds", np.int64, 0, None),        # a seeded row's seed, else 0
+           ("seeded", np.bool_, False, None),
+           ("sampled", np.bool_, False, None),  # not argmax
+           ("window", np.int64, -1, 0),         # the ring, -1 padded (grows: _fit_window)
+           ("window_size", np.int64, 0, None),  # repeat_last_n; 0 = no penalties
+           ("window_count", np.int64, 0, None),  # tokens put in the ring so far
+           ("window_seen", np.int64, 0, None),  # len(window_token_ids) when last put
+           ("biased", np.bool_, False, None),   # a logit_bias, or min_tokens' banned stops
+           ("grammar", np.bool_, False, None),
+           ("top", np.int64, 0, None),          # logprobs' top-N asked
+           ("flags", np.bool_, False, 3))       # top_k, top_p, min_p in use (sampled rows)
 
 
 class SamplerRows:
@@ -41,10 +41,8 @@ class SamplerRows:
     def __init__(self):
         self.requests: list[Request] = []
         self._index: dict[Request, int] = {}
-        for name, dtype, fill in _ARRAYS:
-            setattr(self, name, np.full((0, 7) if name == "values" else (0, 3)
-                                        if name == "flags" else (0, 0) if name == "window"
-                                        else (0,), fill, dtype))
+        for name, dtype, fill, columns in _ARRAYS:
+            setattr(self, name, np.full((0,) if columns is None else (0, columns), fill, dtype))
         self.window_rows = np.zeros(0, np.int64)  # rows with penalties
         self._window_reqs: list[Request] = []
         self._batch_columns()
@@ -62,7 +60,7 @@ class SamplerRows:
         n, index = len(requests), self._index
         src = np.fromiter((index.get(r, -1) for r in requests), np.int64, n)
         kept = np.flatnonzero(src >= 0)
-        for name, dtype, fill in _ARRAYS:
+        for name, dtype, fill, _ in _ARRAYS:
             old = getattr(self, name)
             new = np.full((n, *old.shape[1:]), fill, dtype)
             new[kept] = old[src[kept]]
