@@ -4,8 +4,9 @@ ops seen through its dispatcher (views and allocations launch nothing), plus the
 launches. At ~2.5 us a dependent kernel, the count is the batch-1 step's floor.
 
 Per layer is measured, not assumed: a model of three layers against the same model of two.
-The step is the CUDA graphs' one (kernels/attention.py's split-KV over the whole context, so
-attention is two kernels: partitions, then their merge)."""
+The step is the CUDA graphs' one for a long context (kernels/attention.py's split-KV over the
+whole context, so attention is two kernels: partitions, then their merge); where every row
+fits one partition the graphs have a capture with attention in one kernel."""
 
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ def _tiny(arch: str, layers: int, vocab: int) -> tuple[str, dict, dict]:
     return arch, meta, t
 
 
-def decode_step_kernels(path) -> KernelCount:
-    """The kernels of one decode step of two sequences (forward and LM head)."""
+def decode_step_kernels(path, max_seq_len: int = CTX) -> KernelCount:
+    """The kernels of one decode step of two sequences (forward and LM head), as the graph
+    captured for contexts up to max_seq_len runs it."""
     gf = open_gguf(path)
     family = ARCHITECTURES[gf.arch]
     # the products as kiln serve runs them on CUDA by default: the batch-invariant matmul
@@ -117,7 +119,7 @@ def decode_step_kernels(path) -> KernelCount:
     seq_lens = torch.tensor([5, 40], dtype=torch.int32)
     tables = torch.arange(num_blocks, dtype=torch.int32).view(2, -1)
     meta = AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, tables,
-                             torch.tensor([4, CTX + 39]), 1, CTX)
+                             torch.tensor([4, CTX + 39]), 1, max_seq_len)
     ids, positions = torch.tensor([11, 12]), torch.tensor([4, 39])
     with torch.inference_mode(), KernelCount() as count:
         model.compute_logits(model.forward(ids, positions, meta, kv))
@@ -144,3 +146,17 @@ def test_a_decode_step_launches_at_most_12_kernels_a_layer(arch, tmp_path):
     assert per_layer["triton _rope_store_kernel"] == 1, what
     assert per_layer["triton _rms_norm_kernel"] == 2, what
     assert per_layer["triton _act_mul_kernel"] == 1, what
+
+
+def test_steps_within_one_partition_skip_the_merge(tmp_path):
+    """The graphs' capture for contexts within one partition: a kernel less a layer."""
+    from kiln.kernels.attention import PARTITION_SIZE
+    counts = []
+    for layers in (2, 3):
+        gguf_arch, meta, t = _tiny("llama", layers, 512)
+        path = write_gguf(tmp_path / f"llama-{layers}.gguf", gguf_arch, meta, t,
+                          tokenizer_from=None)
+        counts.append((decode_step_kernels(path), decode_step_kernels(path, PARTITION_SIZE)))
+    (long2, short2), (long3, short3) = counts
+    assert (short3.total - short2.total) == (long3.total - long2.total) - 1
+    assert "triton _reduce_partitions_kernel" not in short3.launches

@@ -40,7 +40,8 @@ def engines(smollm2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def graph_engine(engines):
     """The Triton engine's model with decode steps through DecodeGraphs: batches padded to
-    the buckets (1, 2, 4, 8), split-KV over the whole context; replayed eagerly off CUDA."""
+    the buckets (1, 2, 4, 8), contexts within one partition or split over the whole context;
+    replayed eagerly off CUDA."""
     loaded = engines[0].loaded
     config = EngineConfig.build(4096, 512, kv_cache_tokens=4096, max_num_seqs=8,
                                 use_triton=True, cuda_graphs=True)
@@ -81,10 +82,13 @@ def test_the_triton_engine_generates_what_the_cpu_engine_does(engines):
 
 def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
         engines, graph_engine):
-    """Three requests decode as a bucket of 4 (one padding row), then 2 as a bucket of 2."""
-    graphs, buckets = graph_engine.runner.graphs, []
-    replay = graphs.replay
+    """Three requests decode as a bucket of 4 (one padding row), then 2 as a bucket of 2;
+    with the 603-token request in the batch through the capture split over the whole
+    context, without it through the one-partition capture (attention in one kernel)."""
+    graphs, buckets, spans = graph_engine.runner.graphs, [], []
+    replay, span = graphs.replay, graphs.span
     graphs.replay = lambda *args: buckets.append(args[-1]) or replay(*args)
+    graphs.span = lambda n: spans.append(span(n)) or spans[-1]
     got, want = {}, {}
     for engine, out in ((graph_engine, got), (engines[0], want)):
         reqs = _requests(engine, "g")[1:]
@@ -92,6 +96,7 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
         out |= run_with_logprobs(engine, reqs)
         assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
     assert {4, 2} <= set(buckets), buckets
+    assert graphs.spans == [512, 4096] and set(spans) == {512, 4096}, spans
     assert {k: [t for t, _ in v] for k, v in got.items()} == \
         {k: [t for t, _ in v] for k, v in want.items()}
     # Not bit for bit: torch's CPU GEMMs round a batch of 4 (the bucket) and one of 3

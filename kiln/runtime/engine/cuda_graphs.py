@@ -2,9 +2,11 @@
 
 A decode step of the default model launches ~300 kernels whose launch overhead, at batch 1,
 is most of the step. Each bucket's forward is captured once at load and replayed with the
-step's inputs copied into its static buffers; attention always takes its split-KV variant with
-partitions for the whole context, which gives a row the same bits as the eager step
-(kernels/attention.py).
+step's inputs copied into its static buffers. Each bucket has two captures where the context
+is longer than one split-KV partition: one for steps whose rows all fit one partition
+(attention in one kernel a layer) and one with partitions for the whole context (attention
+and the merge of its partials: a kernel more a layer). A row whose keys fit one partition
+gets the same bits from either, and from the eager step (kernels/attention.py).
 
 Two families, by the tokens a row brings:
 - plain decode (`tokens_per_row` 1): bucket b is b one-token rows; padding rows are sequences
@@ -25,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kiln.kernels.attention import PARTITION_SIZE
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -51,8 +54,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((S, max_blocks), dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # The contexts a capture covers: one partition, and the whole context where longer.
+        self.spans = sorted({min(ctx_len, PARTITION_SIZE), ctx_len})
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, span)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def shape(self, b: int) -> tuple[int, int]:
         """(tokens, sequences) of bucket b's launch."""
@@ -80,12 +85,16 @@ class DecodeGraphs:
                 np.concatenate([seq_lens, lengths]),
                 np.pad(block_tables, ((0, S - real_seqs), (0, 0))))
 
-    def _forward(self, b: int) -> torch.Tensor:  # [tokens or b, vocab] logits
+    def span(self, max_seq_len: int) -> int:
+        """The capture a step whose longest row has max_seq_len positions replays."""
+        return next(s for s in self.spans if s >= max_seq_len)
+
+    def _forward(self, b: int, span: int) -> torch.Tensor:  # [tokens or b, vocab] logits
         T, S = self.shape(b)
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:S + 1], seq_lens=self.seq_lens[:S],
             block_tables=self.block_tables[:S], slot_mapping=self.slot_mapping[:T],
-            max_query_len=T - S + 1, max_seq_len=self.ctx_len)
+            max_query_len=T - S + 1, max_seq_len=span)
         hidden = self.model.forward(self.input_ids[:T], self.positions[:T], meta,
                                     self.kv_caches)
         return self.model.compute_logits(hidden)
@@ -95,13 +104,14 @@ class DecodeGraphs:
         """Largest bucket first, all in one memory pool (a smaller graph reuses its memory)."""
         pool = None
         for b in reversed(self.sizes):
-            self._forward(b)  # an eager run first: lazy initialisations stay out of the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
+            for span in reversed(self.spans):
+                self._forward(b, span)  # eagerly first: lazy initialisations stay out
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b, span] = self._forward(b, span)
+                pool = graph.pool()
+                self.graphs[b, span] = graph
 
     @torch.inference_mode()
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -118,8 +128,9 @@ class DecodeGraphs:
         if self.tokens_per_row > 1:  # a plain decode's never changes
             self.query_start_loc[:S + 1].copy_(meta.query_start_loc)
         self.block_tables[:S, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        graph = self.graphs.get(b)
+        span = self.span(meta.max_seq_len)
+        graph = self.graphs.get((b, span))
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            return self._forward(b)
+            return self._forward(b, span)
         graph.replay()
-        return self.outputs[b]
+        return self.outputs[b, span]
