@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from conftest import make_request
 
-from kiln.runtime.engine.staging import ALIGN, StagingBuffer
+from kiln.runtime.engine.staging import ALIGN, StagingBuffer, StaticInputs
 
 
 def test_mixed_arrays_round_trip_in_one_copy():
@@ -50,3 +50,18 @@ def test_a_step_sends_once_from_the_runner_and_once_from_the_sampler(make_engine
     assert engine.runner.staging.num_copies == steps
     assert engine.sampler.staging.num_copies == steps  # every step here samples
     assert staged == run(False)[1]
+
+
+def test_static_inputs_send_a_prefix_of_their_layout_to_fixed_addresses():
+    """The graphs' inputs: each field at its own fixed address; a send copies the host layout
+    up to the given bytes of the last field named, the rest of the device copy stays."""
+    inputs = StaticInputs("cpu", [("ids", torch.int64, (4,)), ("tables", torch.int32, (3, 2))])
+    ids, tables = inputs.tensors["ids"], inputs.tensors["tables"]
+    addresses = (ids.data_ptr(), tables.data_ptr())
+    host = inputs.host()
+    host["ids"][:] = [1, 2, 3, 4]
+    host["tables"][:] = [[5, 6], [7, 8], [9, 10]]
+    inputs.send("tables", tables[:2].nbytes)
+    assert ids.tolist() == [1, 2, 3, 4] and tables.tolist() == [[5, 6], [7, 8], [0, 0]]
+    assert (ids.data_ptr(), tables.data_ptr()) == addresses
+    assert ids.data_ptr() % 16 == 0 and tables.data_ptr() % 16 == 0

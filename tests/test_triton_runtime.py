@@ -87,7 +87,7 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
     context, without it through the one-partition capture (attention in one kernel)."""
     graphs, buckets, spans = graph_engine.runner.graphs, [], []
     replay, span = graphs.replay, graphs.span
-    graphs.replay = lambda *args: buckets.append(args[-1]) or replay(*args)
+    graphs.replay = lambda *args: buckets.append(args[0]) or replay(*args)
     graphs.span = lambda n: spans.append(span(n)) or spans[-1]
     got, want = {}, {}
     for engine, out in ((graph_engine, got), (engines[0], want)):
@@ -223,8 +223,8 @@ def test_drafted_rows_decode_through_graph_buckets_of_their_own(engines):
     engine.drafter = ReplayDrafters({rid: ReplayDrafter(len(p), want[rid])
                                      for rid, p in prompts.items()})
     graphs, shapes = engine.runner.spec_graphs, []
-    replay = graphs.replay
-    graphs.replay = lambda ids, *args: shapes.append((args[-1], len(ids))) or replay(ids, *args)
+    stage = graphs.stage  # (bucket, the padded step's tokens)
+    graphs.stage = lambda b, ids, *args: shapes.append((b, len(ids))) or stage(b, ids, *args)
     reqs = [make_request(engine, rid, p, SamplingParams(temperature=0.0), max_tokens=12,
                          ignore_eos=True) for rid, p in prompts.items()]
     assert run_to_completion(engine, reqs) == want

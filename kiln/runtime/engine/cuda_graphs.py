@@ -1,8 +1,9 @@
 """CUDA graphs of the decode forward at bucketed batch sizes.
 
 A decode step of the default model launches ~300 kernels whose launch overhead, at batch 1,
-is most of the step. Each bucket's forward is captured once at load and replayed with the
-step's inputs copied into its static buffers. Each bucket has two captures where the context
+is most of the step. Each bucket's forward is captured once at load and replayed on the
+step's inputs, sent in one copy straight into its static buffers (staging.StaticInputs: no
+device-to-device copies before a replay). Each bucket has two captures where the context
 is longer than one split-KV partition: one for steps whose rows all fit one partition
 (attention in one kernel a layer) and one with partitions for the whole context (attention
 and the merge of its partials: a kernel more a layer). A row whose keys fit one partition
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from kiln.kernels.attention import PARTITION_SIZE
+from kiln.runtime.engine.staging import StaticInputs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -47,13 +49,21 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_num_seqs)
         T, S = self.shape(self.sizes[-1])
         max_blocks = -(-ctx_len // block_size)
-        # One set of static inputs at the largest bucket; bucket b uses the first rows.
-        self.input_ids = torch.zeros(T, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(T, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((S, max_blocks), dtype=torch.int32, device=device)
+        # One set of static inputs at the largest bucket (bucket b uses the first rows), the
+        # block tables last: a step sends the layout up to its bucket's rows of them.
+        self.inputs = StaticInputs(device, [
+            ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
+            ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
+            ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
+            ("block_tables", torch.int32, (S, max_blocks))])
+        t = self.inputs.tensors
+        self.input_ids, self.positions, self.slot_mapping = \
+            t["input_ids"], t["positions"], t["slot_mapping"]
+        self.seq_lens, self.query_start_loc, self.block_tables = \
+            t["seq_lens"], t["query_start_loc"], t["block_tables"]
+        self.slot_mapping.fill_(-1)  # what the captures run on: sequences that store nothing
+        self.seq_lens.fill_(1)
+        self.query_start_loc.copy_(torch.arange(S + 1, dtype=torch.int32))
         # The contexts a capture covers: one partition, and the whole context where longer.
         self.spans = sorted({min(ctx_len, PARTITION_SIZE), ctx_len})
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, span)
@@ -113,22 +123,33 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[b, span] = graph
 
-    @torch.inference_mode()
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               b: int) -> torch.Tensor:
-        """Inputs padded to bucket b by `pad` -> logits of its rows (plain decode) or of its
-        tokens (with drafts): a static buffer, valid until the next replay. Stale
-        block-table columns past this step's width are never read: a row reads only the
-        blocks its seq_len covers."""
+    def stage(self, b: int, input_ids: np.ndarray, positions: np.ndarray,
+              slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+              block_tables: np.ndarray, logits_indices: np.ndarray) -> list[torch.Tensor]:
+        """Inputs padded to bucket b by `pad` -> the static tensors holding them, sent in one
+        copy. Stale block-table columns past this step's width are never read: a row reads
+        only the blocks its seq_len covers."""
         T, S = self.shape(b)
-        self.input_ids[:T].copy_(input_ids)
-        self.positions[:T].copy_(positions)
-        self.slot_mapping[:T].copy_(meta.slot_mapping)
-        self.seq_lens[:S].copy_(meta.seq_lens)
-        if self.tokens_per_row > 1:  # a plain decode's never changes
-            self.query_start_loc[:S + 1].copy_(meta.query_start_loc)
-        self.block_tables[:S, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        span = self.span(meta.max_seq_len)
+        host = self.inputs.host()
+        host["input_ids"][:T] = input_ids
+        host["positions"][:T] = positions
+        host["slot_mapping"][:T] = slot_mapping
+        host["logits_indices"][:len(logits_indices)] = logits_indices
+        host["seq_lens"][:S] = seq_lens
+        host["query_start_loc"][:S + 1] = query_start_loc
+        host["block_tables"][:S, :block_tables.shape[1]] = block_tables
+        self.inputs.send("block_tables", self.block_tables[:S].nbytes)
+        return [self.input_ids[:T], self.positions[:T], self.slot_mapping[:T],
+                self.query_start_loc[:S + 1], self.seq_lens[:S],
+                self.block_tables[:S, :block_tables.shape[1]],
+                self.inputs.tensors["logits_indices"][:len(logits_indices)]]
+
+    @torch.inference_mode()
+    def replay(self, b: int, max_seq_len: int) -> torch.Tensor:
+        """Bucket b's capture for contexts up to max_seq_len, on the inputs `stage` sent ->
+        logits of its rows (plain decode) or of its tokens (with drafts): a static buffer,
+        valid until the next replay."""
+        span = self.span(max_seq_len)
         graph = self.graphs.get((b, span))
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
             return self._forward(b, span)

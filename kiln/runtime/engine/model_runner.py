@@ -97,16 +97,16 @@ class ModelRunner:
             graphs = self.graphs if num_tokens == num_seqs else self.spec_graphs
             if graphs is not None and max_query_len <= graphs.tokens_per_row:
                 bucket = graphs.bucket(num_seqs)
-        if bucket is not None:
-            (input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-             block_tables) = graphs.pad(bucket, input_ids, positions, slot_mapping,
-                                        query_start_loc, seq_lens, block_tables)
+        arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+        if bucket is not None:  # straight into the graphs' own inputs
+            (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+             logits_indices_t) = graphs.stage(bucket, *graphs.pad(bucket, *arrays),
+                                              np.array(logits_indices, dtype=np.int64))
         else:
             graphs = None
-        (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-         logits_indices_t) = self.staging.send(
-            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-            np.array(logits_indices, dtype=np.int64))
+            (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+             logits_indices_t) = self.staging.send(*arrays,
+                                                   np.array(logits_indices, dtype=np.int64))
         meta = AttentionMetadata(
             query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
             slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len)
@@ -148,7 +148,7 @@ class ModelRunner:
                 torch.set_num_threads(self.model.backend.torch_threads)
             self._threads_set = True
         if inp.graphs is not None:  # a decode: every row samples, in order
-            logits = inp.graphs.replay(inp.input_ids, inp.positions, inp.meta, inp.graph_bucket)
+            logits = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len)
             if inp.graphs.tokens_per_row == 1:
                 return logits[:len(inp.sampling_requests)]
             return logits[inp.logits_indices]  # each row's tokens, drafts and all

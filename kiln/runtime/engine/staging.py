@@ -56,3 +56,42 @@ class StagingBuffer:
         self.num_copies += 1
         return [self._dev[off:off + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
                 for a, off in zip(arrays, offsets, strict=True)]
+
+
+class StaticInputs:
+    """Named device tensors at fixed addresses in one buffer (the CUDA graphs' inputs), filled
+    from a pinned host copy of the same layout in one transfer: a step's padded inputs go
+    straight where the captured kernels read them, with no device-to-device copy between."""
+
+    def __init__(self, device: torch.device | str,
+                 fields: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        """fields: (name, dtype, shape), in layout order; a send copies a prefix of it."""
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self.offsets, total = {}, 0
+        for name, dtype, shape in fields:
+            self.offsets[name] = total
+            total += -(-torch.empty(shape, dtype=dtype, device="meta").nbytes // ALIGN) * ALIGN
+        self._dev = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        self._host = torch.zeros(total, dtype=torch.uint8, pin_memory=self.on_cuda)
+        self.tensors, self._host_arrays = {}, {}
+        for name, dtype, shape in fields:
+            off, n = self.offsets[name], torch.empty(shape, dtype=dtype, device="meta").nbytes
+            self.tensors[name] = self._dev[off:off + n].view(dtype).view(shape)
+            self._host_arrays[name] = self._host[off:off + n].view(dtype).view(shape).numpy()
+        self._read = None  # CUDA event: the last send has read the host copy
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The host copy's arrays, to write a step's inputs into (after the last send read
+        them)."""
+        if self._read is not None:
+            self._read.synchronize()
+        return self._host_arrays
+
+    def send(self, last: str, last_nbytes: int) -> None:
+        """Copy the layout up to `last_nbytes` into the field `last` (the rest stays)."""
+        end = self.offsets[last] + last_nbytes
+        self._dev[:end].copy_(self._host[:end], non_blocking=self.on_cuda)
+        if self.on_cuda:
+            self._read = torch.cuda.Event()
+            self._read.record()
