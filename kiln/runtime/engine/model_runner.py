@@ -98,15 +98,13 @@ class ModelRunner:
             if graphs is not None and max_query_len <= graphs.tokens_per_row:
                 bucket = graphs.bucket(num_seqs)
         arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+        indices = np.array(logits_indices, dtype=np.int64)
         if bucket is not None:  # straight into the graphs' own inputs
-            (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-             logits_indices_t) = graphs.stage(bucket, *graphs.pad(bucket, *arrays),
-                                              np.array(logits_indices, dtype=np.int64))
+            sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices)
         else:
-            graphs = None
-            (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-             logits_indices_t) = self.staging.send(*arrays,
-                                                   np.array(logits_indices, dtype=np.int64))
+            graphs, sent = None, self.staging.send(*arrays, indices)
+        (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+         logits_indices_t) = sent
         meta = AttentionMetadata(
             query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
             slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len)
