@@ -84,6 +84,8 @@ class DecodeGraphs:
         """The step's inputs padded to bucket b's shape with sequences that store nothing."""
         T, S = self.shape(b)
         real_tokens, real_seqs = len(input_ids), len(seq_lens)
+        if (real_tokens, real_seqs) == (T, S):  # a batch of the bucket's size: nothing to add
+            return input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables
         lengths = np.ones(S - real_seqs, dtype=np.int32)  # the padding sequences' tokens
         lengths[-1:] += T - real_tokens - len(lengths)
         local = np.arange(T - real_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
