@@ -68,15 +68,17 @@ class StaticInputs:
         """fields: (name, dtype, shape), in layout order; a send copies a prefix of it."""
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
+        sizes = [torch.empty(shape, dtype=dtype, device="meta").nbytes
+                 for _, dtype, shape in fields]
         self.offsets, total = {}, 0
-        for name, dtype, shape in fields:
+        for (name, _, _), n in zip(fields, sizes, strict=True):
             self.offsets[name] = total
-            total += -(-torch.empty(shape, dtype=dtype, device="meta").nbytes // ALIGN) * ALIGN
+            total += -(-n // ALIGN) * ALIGN
         self._dev = torch.zeros(total, dtype=torch.uint8, device=self.device)
         self._host = torch.zeros(total, dtype=torch.uint8, pin_memory=self.on_cuda)
         self.tensors, self._host_arrays = {}, {}
-        for name, dtype, shape in fields:
-            off, n = self.offsets[name], torch.empty(shape, dtype=dtype, device="meta").nbytes
+        for (name, dtype, shape), n in zip(fields, sizes, strict=True):
+            off = self.offsets[name]
             self.tensors[name] = self._dev[off:off + n].view(dtype).view(shape)
             self._host_arrays[name] = self._host[off:off + n].view(dtype).view(shape).numpy()
         self._read = None  # CUDA event: the last send has read the host copy
