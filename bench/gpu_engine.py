@@ -48,7 +48,6 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
     try:
         rng = np.random.default_rng(2)
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
-
         for B in batches:
             # Twice at the largest batch: the first prefill of a size meets the allocator's
             # first blocks of each activation shape; an engine's second shows what is left
