@@ -46,6 +46,7 @@ from kiln.kernels.attention_reduce import _reduce_partitions_kernel
 from kiln.kernels.attention_tile import (
     _accumulate,
     _find_seq_idx,
+    _load_query,
     _query_rows,
     _scores,
     _store_rows,
@@ -149,20 +150,20 @@ def _paged_attention_kernel(
 
     # Q, running max (log2 domain), running softmax denominator and output of each tile.
     q_head = head_idx[:, None] * query_head_stride + offs_d[None, :]  # [BLOCK_M, HEAD_DIM_PADDED]
-    Q0 = tl.load(query_ptr + token_idx0[:, None] * query_token_stride + q_head,
-                 mask=row_mask0[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    Q0 = _load_query(query_ptr, token_idx0, q_head, row_mask0, d_mask,
+                     query_token_stride, DOT_DTYPE)
     m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     if SUB_TILES > 1:
-        Q1 = tl.load(query_ptr + token_idx1[:, None] * query_token_stride + q_head,
-                     mask=row_mask1[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        Q1 = _load_query(query_ptr, token_idx1, q_head, row_mask1, d_mask,
+                         query_token_stride, DOT_DTYPE)
         m1, l1, acc1 = m0, l0, acc0
     if SUB_TILES > 2:
-        Q2 = tl.load(query_ptr + token_idx2[:, None] * query_token_stride + q_head,
-                     mask=row_mask2[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
-        Q3 = tl.load(query_ptr + token_idx3[:, None] * query_token_stride + q_head,
-                     mask=row_mask3[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        Q2 = _load_query(query_ptr, token_idx2, q_head, row_mask2, d_mask,
+                         query_token_stride, DOT_DTYPE)
+        Q3 = _load_query(query_ptr, token_idx3, q_head, row_mask3, d_mask,
+                         query_token_stride, DOT_DTYPE)
         m2, l2, acc2 = m0, l0, acc0
         m3, l3, acc3 = m0, l0, acc0
 

@@ -44,6 +44,14 @@ def _query_rows(tile_pos, first_pos, last_pos, q_start, context_len, offs_m,
 
 
 @triton.jit
+def _load_query(query_ptr, token_idx, q_head, row_mask, d_mask, query_token_stride,
+                DOT_DTYPE: tl.constexpr):
+    """The tile's rows of Q: [BLOCK_M, HEAD_DIM_PADDED]; q_head: each row's head offsets."""
+    return tl.load(query_ptr + token_idx[:, None] * query_token_stride + q_head,
+                   mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
 def _scores(Q, K, m_i, l_i, q_pos, offs_n, kv_mask, qk_scale, sliding_window,
             USE_SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The tile's online-softmax step over one tile of keys: (P, alpha, new max, new sum).

@@ -10,8 +10,9 @@ conversation still held in the cache starts with the tail of the earlier reply (
 a request with a seed always starts empty. The window size is the request's own snapshot, so
 a smaller window applies from the request's first token: the carried tail is cut to it.
 
-The sampler rebuilds each row's window from its token lists every step (the kernel counts
-the tokens itself): at most repeat_last_n ids per row, under 1 % of a decode step.
+The sampler builds a row's window from its token lists when the row joins its batch, then
+keeps it as a ring that takes each new window token (sampler_rows.py): the kernel counts the
+tokens itself, so their order does not matter.
 """
 
 from __future__ import annotations
