@@ -20,10 +20,11 @@ from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.params import SamplingParams
 
 
-def prefill(engine: LLMEngine, rng, params: SamplingParams, B: int, tag: str) -> float:
-    """Seconds until B new 128-token prompts each have their first token."""
+def prefill(engine: LLMEngine, rng, params: SamplingParams, B: int, length: int,
+            tag: str) -> float:
+    """Seconds until B new prompts of `length` tokens each have their first token."""
     for i in range(B):
-        prompt = rng.integers(0, engine.vocab_size, 128).tolist()
+        prompt = rng.integers(0, engine.vocab_size, length).tolist()
         engine.add_request(engine.make_request(f"{B}-{tag}{i}", EngineRequest(
             prompt, params, RequestOptions(max_tokens=800, ignore_eos=True))))
     t0 = time.perf_counter()
@@ -34,7 +35,9 @@ def prefill(engine: LLMEngine, rng, params: SamplingParams, B: int, tag: str) ->
 
 def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, batches,
                 graphs: bool, invariant: bool) -> None:
-    """Engine steps without HTTP: the prefill of B 128-token prompts, then decode steps."""
+    """Engine steps without HTTP: the prefill of B 128-token prompts (16 in a dry run: the
+    interpreter takes seconds a layer), then decode steps."""
+    length = 16 if dry else 128
     compiled_after_load = []
     mode = ("graphs" if graphs else "eager") + (" invariant" if invariant else " cuBLAS")
     config = EngineConfig(ctx_len=1024 if dry else 4096, prefill_chunk_len=2048,
@@ -54,11 +57,11 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
             # (issue 27: graphs mode prefilled slower than eager, the engine made first).
             again = ""
             if B == max(batches) and not dry:
-                again_s = prefill(engine, rng, params, B, "warm")
+                again_s = prefill(engine, rng, params, B, length, "warm")
                 for rid in list(engine.requests):
                     engine.abort(rid)
                 again = f" (the first prefill of this size took {again_s * 1000:.0f} ms)"
-            prefill_s = prefill(engine, rng, params, B, "")
+            prefill_s = prefill(engine, rng, params, B, length, "")
             steps = 2 if dry else 48
             for _ in range(2):
                 engine.step()
@@ -76,7 +79,7 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
             ms = (time.perf_counter() - t0) / steps * 1000
             line(f"decode step {label} batch {B} {mode}", ms, "ms",
                  f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
-                 f"{B} x 128 in {prefill_s * 1000:.0f} ms{again}")
+                 f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
             for rid in list(engine.requests):
                 engine.abort(rid)
     finally:

@@ -66,7 +66,7 @@ def check_engine(loaded, device: str, dry: bool, line) -> None:
     values each time, on the loaded model's products. A dry run: 4 short ones beside 4."""
     V = loaded.config.vocab_size
     rng = np.random.default_rng(5)
-    n, length = (4, 20) if dry else (8, 64)
+    n, length = (4, 10) if dry else (8, 64)
     mine = [(f"m{i}", EngineRequest(
         rng.integers(0, V, length + 16 * i).tolist(),
         SamplingParams(temperature=0.0) if i < n // 2 else

@@ -55,7 +55,7 @@ def check_sampler(device: str, dry: bool, line) -> None:
     line(f"sampler {B} x {V}: tokens equal to sample_ref", f"{same:.2%}", "",
          "ok" if same == 1.0 else "FAIL")
     # Distribution: one row's filtered softmax against its draws over N seeds.
-    N, V2 = (20000, 1000) if not dry else (200, 100)
+    N, V2 = (20000, 1000) if not dry else (64, 100)  # the interpreter: ~0.15 s a row
     row = torch.randn(V2, generator=torch.Generator().manual_seed(5)) * 2
     f32 = dict(dtype=torch.float32, device=device)
     md2 = SamplingMetadata(torch.full((N,), 0.8, **f32),
