@@ -33,6 +33,17 @@ def prefill(engine: LLMEngine, rng, params: SamplingParams, B: int, length: int,
     return time.perf_counter() - t0
 
 
+def _step_ms(engine: LLMEngine, steps: int) -> float:
+    """Milliseconds a decode step, over `steps` steps after two untimed ones (with
+    --async-scheduling, a step's tokens are read during the next: the run settles first)."""
+    for _ in range(2):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps * 1000
+
+
 def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, batches,
                 graphs: bool, invariant: bool) -> None:
     """Engine steps without HTTP: the prefill of B 128-token prompts (16 in a dry run: the
@@ -73,13 +84,17 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
                     engine.step()
                     torch.cuda.set_sync_debug_mode("default")
                 syncs = str(sum("synchroniz" in str(w.message) for w in caught))
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            ms = (time.perf_counter() - t0) / steps * 1000
+            ms = _step_ms(engine, steps)
             line(f"decode step {label} batch {B} {mode}", ms, "ms",
                  f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
                  f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
+            if graphs and invariant:  # kiln serve --async-scheduling, on the same batch
+                engine.async_scheduling = True
+                async_ms = _step_ms(engine, steps)
+                engine.async_scheduling = False
+                line(f"decode step {label} batch {B} {mode} async", async_ms, "ms",
+                     f"{B / async_ms * 1000:.0f} tok/s; {ms / async_ms:.2f}x the synchronous "
+                     "steps above")
             for rid in list(engine.requests):
                 engine.abort(rid)
     finally:

@@ -92,6 +92,7 @@ def engine_options(args):
                          int8_activations=args.int8_activations,
                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                          enforce_eager=getattr(args, "enforce_eager", False),
+                         async_scheduling=getattr(args, "async_scheduling", False),
                          batch_invariant=getattr(args, "batch_invariant", True))
 
 
@@ -254,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly, without the CUDA graphs captured "
                             "at load")
+    serve.add_argument("--async-scheduling", action="store_true",
+                       help="launch each step before reading the last one's tokens, so the "
+                            "host schedules and stages while the GPU computes (vLLM's flag; "
+                            "steps with drafts, penalties or a grammar still wait; no gain on "
+                            "the CPU, where the host computes the step)")
     serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                        help="CUDA: products whose reduction order never follows the batch "
                             "(kiln's Triton matmul), so a seeded or greedy reply has the same "

@@ -32,6 +32,7 @@ class EngineOptions:
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
+    async_scheduling: bool = False  # EngineConfig.async_scheduling (vLLM's flag)
     # CUDA: products whose reduction order never follows the batch (kernels/matmul.py), so a
     # seeded or greedy request's bits do not depend on its neighbours; False: cuBLAS's
     batch_invariant: bool = True
@@ -69,6 +70,7 @@ def build_engine(model: str, options: EngineOptions) -> tuple[LoadedModel, LLMEn
         max_num_batched_tokens=options.max_num_batched_tokens or (GPU_BATCHED_TOKENS if cuda
                                                                   else 0), device=device,
         use_triton=cuda, cuda_graphs=cuda and not options.enforce_eager,
+        async_scheduling=options.async_scheduling,
         speculative=options.speculative, numerics=loaded.model.backend.numerics,
         kv_bytes_per_token=kv_bytes_per_token(loaded.config, kv_itemsize))
     if cuda and options.kv_cache_tokens is None:

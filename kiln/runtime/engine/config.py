@@ -33,6 +33,9 @@ class EngineConfig:
     cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
     kv_bytes_per_token: int = 0  # the KV cache's memory per token (0: not told)
     speculative: SpeculativeConfig | None = None  # drafting (--speculative); None: off
+    # Launch step n + 1 before reading step n's tokens where its rows allow (vLLM's
+    # --async-scheduling): hides the host's part of a step behind the device's
+    async_scheduling: bool = False
     # What decides a reply's bits besides the weights: the backend's `numerics` (device,
     # dtype, kernel variant), named by every reply's system_fingerprint ("": not told)
     numerics: str = ""

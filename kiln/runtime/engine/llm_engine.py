@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from kiln.runtime.drafting.drafter import make_drafter
 from kiln.runtime.drafting.pace import DraftPace
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.engine_request import EngineRequest, check_fits
-from kiln.runtime.engine.model_runner import ModelRunner
+from kiln.runtime.engine.model_runner import InFlightTokens, ModelRunner
 from kiln.runtime.engine.reply_tails import ReplyTails
 from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
@@ -23,6 +24,7 @@ from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.loader import LoadedModel
 from kiln.runtime.sampling.grammar import GrammarCompilerCache, GrammarState
 from kiln.runtime.sampling.sampler import (
+    CopyOut,
     Sampler,
     raw_choices,
     to_token_logprobs,
@@ -30,6 +32,15 @@ from kiln.runtime.sampling.sampler import (
 from kiln.runtime.text.stop_strings import StopStringChecker
 
 log = logging.getLogger("kiln")
+
+
+@dataclass
+class InFlight:
+    """A launched step whose samples the host has not read yet (--async-scheduling)."""
+
+    requests: list[Request]  # its rows, in order
+    tokens: InFlightTokens  # the next step's inputs for them, on the device
+    copy: CopyOut  # their way to the host
 
 
 class LLMEngine:
@@ -46,6 +57,9 @@ class LLMEngine:
         self.grammars = GrammarCompilerCache(loaded.tokenizer,
                                              vocab_size=loaded.config.vocab_size)
         self.drafter = make_drafter(config.speculative) if config.speculative else None
+        # A drafting step needs its tokens on the host to draft the next: never in flight.
+        self.async_scheduling = config.async_scheduling and self.drafter is None
+        self.in_flight: InFlight | None = None  # a step whose tokens the host has not read
         self.num_draft_tokens = self.num_accepted_tokens = 0  # counters since start
         if config.use_triton and self.runner.device.type == "cuda":
             self._prepare_gpu()
@@ -121,24 +135,42 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, launch, sample. With --async-scheduling, where every row that
+        samples can (`Request.samples_ahead`), the step's tokens stay on the device and are
+        read in the next step, after that step is launched: the host schedules, stages and
+        launches while the device still runs this one, and a reply's tokens reach it a step
+        later. A row whose request ends on the token in flight is computed in vain."""
         if self.drafter is not None:
             self._draft()
         sched = self.scheduler.schedule()
+        landing, self.in_flight = self.in_flight, None
         # Nothing schedulable although requests wait: only an add or abort can change that.
-        self.stalled = not sched.scheduled
+        self.stalled = not sched.scheduled and landing is None
         if not sched.scheduled:
-            return []
+            return self._land(landing)
         for req in sched.admitted:  # a reply's first step: the tail it carries, if any
             if req.num_computed_tokens == req.num_cached_tokens and not req.output_token_ids \
                     and req.sampling.seed is None and req.sampling.has_penalties:
                 req.window_prefix = self.reply_tails.lookup(req.prompt_token_ids,
                                                             req.num_cached_tokens)
-        inp = self.runner.prepare(sched.scheduled)
+        inp = self.runner.prepare(sched.scheduled, landing and landing.tokens)
         logits = self.runner.execute(inp)
-        if logits is None:
-            self.scheduler.update_after_step(sched.scheduled)
-            return []
-        reqs, now = inp.sampling_requests, time.monotonic()
+        reqs = inp.sampling_requests
+        if logits is None or (self.async_scheduling and len(logits) == len(reqs)
+                              and all(req.samples_ahead for req in reqs)):
+            if logits is not None:  # launch the sampler, read its tokens next step
+                out = self.sampler(logits, reqs)
+                self.in_flight = InFlight(
+                    reqs, InFlightTokens(out.token_ids, {r: i for i, r in enumerate(reqs)}),
+                    self.sampler.copy_out(out))
+                for req in reqs:
+                    req.num_in_flight += 1
+            outputs = self._land(landing)  # the blocks filled need its tokens' hashes
+            self.scheduler.update_after_step(
+                [(req, n) for req, n in sched.scheduled if not req.is_finished])
+            return outputs
+        landed = self._land(landing)
+        now = time.monotonic()
         finished: dict[Request, RequestStatus] = {}
         # Per request, this step's tokens and logprobs: the drafts it kept, then its sample.
         new, rejected = self._check_drafts(logits, inp, finished, now) \
@@ -155,22 +187,46 @@ class LLMEngine:
         if sample_reqs:
             # The step's one device sync (with drafts, its second: raw_choices reads first).
             out = self.sampler.fetch(self.sampler(rows, sample_reqs))
-            sampled = list(zip(sample_reqs, out.token_ids, to_token_logprobs(out, sample_reqs)))
+            sampled = [row for row in zip(sample_reqs, out.token_ids,
+                                          to_token_logprobs(out, sample_reqs))
+                       if not row[0].is_finished]  # (ended by the token just landed)
             for req, token, _ in sampled:
                 if (status := self._take(req, token, now)) is not None:
                     finished[req] = status
-        self.scheduler.update_after_step(sched.scheduled, rejected)
-        for req, status in finished.items():
-            self.scheduler.finish(req, status)
-            self.requests.pop(req.request_id, None)
-            self.reply_tails.record(req)
+        self.scheduler.update_after_step(
+            [(req, n) for req, n in sched.scheduled if not req.is_finished], rejected)
+        self._finish(finished)
         if not new:  # no drafts: every row sampled its one token (most steps)
-            return [self._output(req, [token], [lp]) for req, token, lp in sampled]
+            return landed + [self._output(req, [token], [lp]) for req, token, lp in sampled]
         for req, token, lp in sampled:
             tokens, logprobs = new.setdefault(req, ([], []))
             tokens.append(token)
             logprobs.append(lp)
         return [self._output(req, *new[req]) for req in reqs]
+
+    def _land(self, step: InFlight | None) -> list[RequestOutput]:
+        """Read an earlier step's tokens (waiting for its sampler, not for what was queued
+        after it) and take them: a request that ended meanwhile drops its token."""
+        if step is None:
+            return []
+        out = self.sampler.wait(step.copy)
+        now, finished, sampled = time.monotonic(), {}, []
+        for req, token, lp in zip(step.requests, out.token_ids,
+                                  to_token_logprobs(out, step.requests)):
+            req.num_in_flight -= 1
+            if req.is_finished:
+                continue
+            sampled.append((req, token, lp))
+            if (status := self._take(req, token, now)) is not None:
+                finished[req] = status
+        self._finish(finished)
+        return [self._output(req, [token], [lp]) for req, token, lp in sampled]
+
+    def _finish(self, finished: dict[Request, RequestStatus]) -> None:
+        for req, status in finished.items():
+            self.scheduler.finish(req, status)
+            self.requests.pop(req.request_id, None)
+            self.reply_tails.record(req)
 
     # --- speculative decoding ---
 

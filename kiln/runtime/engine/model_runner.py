@@ -35,6 +35,15 @@ class ModelInput:
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
+@dataclass
+class InFlightTokens:
+    """The tokens a step sampled on the device that the host has not read yet
+    (--async-scheduling): the next step's inputs for those rows."""
+
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    rows: dict[Request, int]  # request -> its row in token_ids
+
+
 PROMPT_LOGPROB_ROWS = 256  # logits rows materialised at once for prompt logprobs
 
 
@@ -51,6 +60,7 @@ class ModelRunner:
                                            mc.num_kv_heads, mc.head_dim)
                           for _ in range(mc.num_layers)]
         self.staging = StagingBuffer(self.device)
+        self.scatter_staging = StagingBuffer(self.device, capacity=1 << 12)  # in-flight rows
         self.cpu_draw = cpu_draw_for(self.device, config.use_triton)  # for prompt logprobs
         self._threads_set = False
         self.graphs = self.spec_graphs = None
@@ -62,10 +72,12 @@ class ModelRunner:
                 self.spec_graphs = DecodeGraphs(
                     *args, tokens_per_row=1 + config.speculative.num_speculative_tokens)
 
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+    def prepare(self, scheduled: list[tuple[Request, int]],
+                in_flight: InFlightTokens | None = None) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
         contexts: positions, slots and lengths by numpy over the whole step, block tables
-        in one gather of the KV manager's rows."""
+        in one gather of the KV manager's rows. A row whose last token is still in flight
+        (--async-scheduling) takes it from the device, where the last step sampled it."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
         reqs = [req for req, _ in scheduled]
@@ -81,9 +93,10 @@ class ModelRunner:
         positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
         block_tables = self.kv.block_tables(reqs)
         if num_tokens == num_seqs and not any(req.spec_token_ids for req in reqs) and (
-                np.fromiter((len(req.all_token_ids) for req in reqs), np.int64, num_seqs)
-                == seq_lens).all():  # a decode: each row's last token, each samples
-            input_ids = [req.all_token_ids[-1] for req in reqs]
+                np.fromiter((len(req.all_token_ids) + req.num_in_flight for req in reqs),
+                            np.int64, num_seqs) == seq_lens).all():
+            # a decode: each row's last token (0 for now where in flight), each samples
+            input_ids = [0 if req.num_in_flight else req.all_token_ids[-1] for req in reqs]
             logits_indices, sampling_requests = list(range(num_seqs)), reqs
             num_logits_rows, prompt_rows = [1] * num_seqs, []
         else:
@@ -105,6 +118,8 @@ class ModelRunner:
             graphs, sent = None, self.staging.send(*arrays, indices)
         (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
          logits_indices_t) = sent
+        if in_flight is not None:
+            self._tokens_in_flight(input_ids, reqs, ends, in_flight)
         meta = AttentionMetadata(
             query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
             slot_mapping=slot_mapping, max_query_len=max_query_len, max_seq_len=max_seq_len)
@@ -112,6 +127,23 @@ class ModelRunner:
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
                           prompt_logprob_rows=prompt_rows)
+
+    def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
+                          ends: np.ndarray, in_flight: InFlightTokens) -> None:
+        """Each in-flight token (a row's last) from the last step's samples into the step's
+        input ids on the device, queued behind the sampler that drew it: one copy where the
+        rows are the last step's in its order (a run of decode steps), else one scatter."""
+        rows = in_flight.rows
+        pairs = [(int(end) - 1, rows[req]) for req, end in zip(reqs, ends) if req.num_in_flight]
+        if not pairs:
+            return
+        dst, src = np.array(pairs, dtype=np.int64).T
+        k = len(pairs)
+        if (dst == np.arange(k)).all() and (src == dst).all():
+            input_ids[:k].copy_(in_flight.token_ids[:k])
+            return
+        dst_t, src_t = self.scatter_staging.send(dst, src)
+        input_ids[dst_t] = in_flight.token_ids[src_t]
 
     @staticmethod
     def _rows(scheduled: list[tuple[Request, int]], starts: list[int], ends: list[int]):
@@ -121,6 +153,8 @@ class ModelRunner:
         logits_indices, sampling_requests, prompt_rows, num_logits_rows = [], [], [], []
         for (req, n), start, end in zip(scheduled, starts, ends, strict=True):
             tokens = req.all_token_ids[start:start + n]
+            if req.num_in_flight:  # its last, on the device (`_tokens_in_flight`)
+                tokens = tokens + [0] * req.num_in_flight
             if len(tokens) < n:  # the drafts the step checks follow the last token
                 tokens = tokens + req.spec_token_ids[:n - len(tokens)]
             input_ids += tokens

@@ -84,6 +84,9 @@ class Request:
     window_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # --async-scheduling: tokens sampled on the device and not yet read by the host (0 or 1
+    # when a step is scheduled), counted as the request's tokens by the scheduler
+    num_in_flight: int = 0
     num_cached_tokens: int = -1  # set when first scheduled
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, chained
     first_token_time: float | None = None
@@ -107,7 +110,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + self.num_in_flight + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +127,13 @@ class Request:
         refusal sends the position to the sampler), so its reply is the same with drafts or
         without (contract.md)."""
         return self.sampling.is_greedy and not self.sampling.has_penalties
+
+    @property
+    def samples_ahead(self) -> bool:
+        """Its next step may start before the host reads this step's token
+        (--async-scheduling): what the sampler needs of it does not depend on that token, as
+        a penalty window or a grammar would."""
+        return self.grammar is None and not self.sampling.has_penalties
 
     def waits_for_leader(self) -> bool:
         leader = self.prefill_leader

@@ -64,8 +64,8 @@ class Scheduler:
         chunk = self.config.prefill_chunk_len
         boundary = (num_computed // chunk + 1) * chunk
         # (the request's num_tokens_with_spec: a property read for every row of every step)
-        return min(len(request.all_token_ids) + len(request.spec_token_ids), boundary) \
-            - num_computed
+        return min(len(request.all_token_ids) + request.num_in_flight
+                   + len(request.spec_token_ids), boundary) - num_computed
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -76,7 +76,8 @@ class Scheduler:
         while i < len(running):
             req = running[i]
             n = self._num_new_tokens(req, req.num_computed_tokens)
-            if n > budget:
+            if n > budget or (req.num_in_flight and req.num_output_tokens + req.num_in_flight
+                              >= req.max_tokens):  # its token in flight is its last
                 i += 1
                 continue
             while not allocate(req, n):

@@ -33,7 +33,9 @@ class Sampler:
         self.server_rng = np.random.default_rng(seed)
         self.staging = StagingBuffer(device)
         self.rows = SamplerRows()
-        self._pinned: torch.Tensor | None = None  # CUDA: where the samples come back to
+        # CUDA: where the samples come back to, two buffers used by turns
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self.cpu_draw = cpu_draw_for(device, use_triton)
 
     def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
@@ -46,6 +48,7 @@ class Sampler:
         seeds, offsets = rows.seeds.copy(), np.zeros(n, dtype=np.int64)
         if rows.seeded_rows:
             offsets[rows.seeded_rows] = [len(requests[i].output_token_ids)
+                                         + requests[i].num_in_flight
                                          for i in rows.seeded_rows]
         # The server's stream, a draw per row in row order: one call draws the same numbers
         # as a call per row, and past a few rows costs less.
@@ -99,23 +102,37 @@ class Sampler:
         return raw_logprobs(logits[rows], token_ids, num_top, self.cpu_draw)
 
     def fetch(self, out: SamplerOutput) -> HostSamples:
-        """The step's one device-to-host copy: token ids (exact in float64), their logprobs
-        and the top-N, packed side by side; on CUDA into pinned memory, without a copy of
-        its own to wait for (the host waits once, for the sampler's last kernel)."""
+        """The step's one device-to-host copy, waited for."""
+        return self.wait(self.copy_out(out))
+
+    def copy_out(self, out: SamplerOutput) -> CopyOut:
+        """The step's one device-to-host copy, queued: token ids (exact in float64), their
+        logprobs and the top-N, packed side by side; on CUDA into pinned memory, one of two
+        by turns (--async-scheduling reads a step's copy after queueing the next one's)."""
         n = out.top_token_ids.shape[1]
         parts = [out.token_ids[:, None].double(), out.logprobs[:, None].double()]
         if n:
             parts += [out.top_token_ids.double(), out.top_logprobs.double()]
         packed = torch.cat(parts, dim=1)
-        if packed.is_cuda:
-            if self._pinned is None or self._pinned.numel() < packed.numel():
-                self._pinned = torch.empty(max(packed.numel(), 1 << 14), dtype=torch.float64,
-                                           pin_memory=True)
-            host = self._pinned[:packed.numel()].view(packed.shape)
-            host.copy_(packed, non_blocking=True)
-            torch.cuda.current_stream(packed.device).synchronize()
-            packed = host
-        packed = packed.numpy()
+        if not packed.is_cuda:
+            return CopyOut(packed, n, None)
+        self._turn ^= 1
+        pinned = self._pinned[self._turn]
+        if pinned is None or pinned.numel() < packed.numel():
+            pinned = self._pinned[self._turn] = torch.empty(
+                max(packed.numel(), 1 << 14), dtype=torch.float64, pin_memory=True)
+        host = pinned[:packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return CopyOut(host, n, done)
+
+    def wait(self, copy: CopyOut) -> HostSamples:
+        """The samples of a queued copy, once it has landed (the host waits for the
+        sampler's last kernel of that step, not for anything queued after it)."""
+        if copy.done is not None:
+            copy.done.synchronize()
+        packed, n = copy.packed.numpy(), copy.num_top
         rows = len(packed)
         return HostSamples(
             packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(),
@@ -177,13 +194,22 @@ def _row_bias(req: Request) -> dict[int, float] | None:
     (not under a grammar: the grammar alone decides where structured output ends); None
     where that is nothing (most rows: no dict built for them)."""
     banned = req.stop_token_ids if req.grammar is None \
-        and len(req.output_token_ids) < req.options.min_tokens else ()
+        and len(req.output_token_ids) + req.num_in_flight < req.options.min_tokens else ()
     if not (req.options.logit_bias or banned):
         return None
     bias = dict(req.options.logit_bias)
     for token in banned:
         bias[token] = float("-inf")
     return bias
+
+
+@dataclass
+class CopyOut:
+    """A step's samples on their way to the host."""
+
+    packed: torch.Tensor  # [rows, 2 + 2 * num_top] float64, host memory
+    num_top: int
+    done: torch.cuda.Event | None  # CUDA: recorded after the copy
 
 
 @dataclass
