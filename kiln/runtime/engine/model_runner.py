@@ -130,9 +130,11 @@ class ModelRunner:
 
     def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
                           ends: np.ndarray, in_flight: InFlightTokens) -> None:
-        """Each in-flight token (a row's last) from the last step's samples into the step's
-        input ids on the device, queued behind the sampler that drew it: one copy where the
-        rows are the last step's in its order (a run of decode steps), else one scatter."""
+        """Each in-flight token from the last step's samples into the step's input ids on
+        the device, queued behind the sampler that drew it: one copy where the rows are the
+        last step's in its order (a run of decode steps), else one scatter. A row with a
+        token in flight is a running request's decode row, that token its last (the
+        scheduler admits no request with one)."""
         rows = in_flight.rows
         pairs = [(int(end) - 1, rows[req]) for req, end in zip(reqs, ends) if req.num_in_flight]
         if not pairs:

@@ -97,8 +97,8 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget <= 0:
                 break
-            if req.waits_for_leader():
-                continue
+            if req.waits_for_leader() or req.num_in_flight:
+                continue  # (preempted with a token in flight: back once it is read)
             hits, num_cached = self.kv.get_computed_blocks(req) \
                 if req.options.prompt_logprobs is None else ([], 0)
             n = self._num_new_tokens(req, num_cached)
