@@ -1,8 +1,9 @@
 """--async-scheduling: a step launched before the host reads the last one's tokens gives every
 request the tokens, logprobs and finish of the synchronous engine (the oracle: kiln's bits do
-not depend on the batch), under requests ending on the token in flight, rows whose sampler
-needs the host's tokens (penalties) beside them, requests joining and leaving, aborts and
-preemption, and leaves no KV block behind.
+not depend on the batch), under requests ending on the token in flight, penalty windows
+taking their newest token on the device, a row whose sampler needs its tokens on the host
+(a grammar) beside them, requests joining and leaving, aborts and preemption, and leaves no
+KV block behind.
 
 On the CPU nothing overlaps (the host computes the step), but every part of the path runs:
 the scheduler counting tokens in flight, inputs taken from the last step's samples, seeded
@@ -15,6 +16,7 @@ from conftest import make_request
 
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.llm_engine import LLMEngine
+from kiln.runtime.sampling.grammar import GrammarSpec
 from kiln.runtime.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
@@ -58,15 +60,18 @@ def _run(engine, requests, late=(), abort_at=None):
 
 def _requests(engine, smollm2, stops):
     """Greedy and seeded replies of several lengths, one ending on a stop token its sync run
-    produced (`stops`), one with min_tokens over a stop token, one with a penalty."""
+    produced (`stops`), one with min_tokens over a stop token, one with penalties, one with
+    a grammar."""
     texts = ["What is the capital of France?", "Count to five.", "Name a colour.",
              "Write a short poem about rain.", "Say hello in Spanish.", "What is 2 + 2?"]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.0)
-    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0,
+                               repeat_last_n=6)  # a ring of 6 that wraps
     settings = [(GREEDY, dict(max_tokens=12)), (seeded, dict(max_tokens=20)),
                 (GREEDY, dict(max_tokens=16, stop_token_ids=stops[0])),
                 (seeded, dict(max_tokens=14, min_tokens=6, stop_token_ids=stops[1])),
-                (penalised, dict(max_tokens=3)), (GREEDY, dict(max_tokens=1))]
+                (penalised, dict(max_tokens=16)), (GREEDY, dict(max_tokens=4))]
+    settings[-1][1]["grammar"] = GrammarSpec("json_object")  # steps with it wait
     return [make_request(engine, f"r{i}", _prompt(smollm2, t), sp, logprobs=1, **opts)
             for i, (t, (sp, opts)) in enumerate(zip(texts, settings, strict=True))]
 
@@ -118,12 +123,12 @@ def test_an_abort_with_a_token_in_flight_frees_everything(smollm2, stops):
     assert _pool_is_clean(engine)
 
 
-@pytest.mark.parametrize("beside", [None, "penalised"])
+@pytest.mark.parametrize("beside", [None, "grammar"])
 def test_a_reply_ending_on_its_token_in_flight_has_nothing_after_it(smollm2, beside):
     """The step after a reply's stop token computes its row in vain and fills a block with
-    it; that step reads the stop token after launching (alone), or before sampling, to give
-    a penalised request joining it its token (beside): the reply ends there either way, and
-    the block it filled is neither indexed nor leaked."""
+    it; that step reads the stop token after launching (alone), or before sampling, for a
+    request with a grammar joining it (beside): the reply ends there either way, and the
+    block it filled is neither indexed nor leaked."""
     k = 3  # the stop is the reply's 4th token: its row in vain is at position L + k
     prompt = list(range(1000, 1000 + 16 * 3 - (k + 1)))  # L + k + 1 fills the third block
     ref_engine = _engine(smollm2, False, kv_cache_tokens=4096)
@@ -138,9 +143,9 @@ def test_a_reply_ending_on_its_token_in_flight_has_nothing_after_it(smollm2, bes
     while a.num_output_tokens + a.num_in_flight <= k:
         got += [t for o in engine.step() for t in o.new_token_ids]
     assert a.num_in_flight == 1 and not a.is_finished  # its stop token is in flight
-    if beside:
-        engine.add_request(make_request(engine, "b", list(range(3000, 3020)), SamplingParams(
-            temperature=0.0, repetition_penalty=1.3), max_tokens=2))
+    if beside:  # its grammar's mask needs its tokens on the host: the step waits
+        engine.add_request(make_request(engine, "b", list(range(3000, 3020)), GREEDY,
+                                        max_tokens=2, grammar=GrammarSpec("json_object")))
     while engine.has_unfinished():
         got += [t for o in engine.step() if o.request_id == "a" for t in o.new_token_ids]
     assert got == ref[:k + 1] and a.finish_reason == "stop"

@@ -110,7 +110,8 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
 def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engine):
     """--async-scheduling on the Triton path: each in-flight token is copied (rows in the last
     step's order) or scattered (a row left) from the sampler's output into the graphs' static
-    input ids before the replay; the replies are the synchronous engine's."""
+    input ids before the replay, and into a penalty window's ring on the device; the replies
+    are the synchronous engine's."""
     runner, copies = graph_engine.runner, []
     fill = runner._tokens_in_flight
     runner._tokens_in_flight = lambda ids, reqs, ends, tokens: copies.append(
@@ -123,7 +124,9 @@ def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engin
                                  ignore_eos=True) for i, (p, sp, n) in enumerate((
                                      ([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 6),
                                      (list(range(100, 140)), SamplingParams(temperature=0.0), 3),
-                                     (list(range(200, 230)), SamplingParams(temperature=0.0), 6)))]
+                                     (list(range(200, 230)), SamplingParams(
+                                         temperature=0.0, repetition_penalty=1.5,
+                                         repeat_last_n=4), 6)))]
             got[overlap] = run_with_logprobs(graph_engine, reqs)
             assert graph_engine.kv.block_pool.get_num_free_blocks() == \
                 graph_engine.config.num_blocks

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--async-scheduling", action="store_true",
                        help="launch each step before reading the last one's tokens, so the "
                             "host schedules and stages while the GPU computes (vLLM's flag; "
-                            "steps with drafts, penalties or a grammar still wait; no gain on "
+                            "steps with drafts or a grammar still wait; no gain on "
                             "the CPU, where the host computes the step)")
     serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                        help="CUDA: products whose reduction order never follows the batch "

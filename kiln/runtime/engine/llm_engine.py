@@ -15,9 +15,9 @@ from kiln.runtime.drafting.drafter import make_drafter
 from kiln.runtime.drafting.pace import DraftPace
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.engine_request import EngineRequest, check_fits
-from kiln.runtime.engine.model_runner import InFlightTokens, ModelRunner
+from kiln.runtime.engine.model_runner import ModelRunner
 from kiln.runtime.engine.reply_tails import ReplyTails
-from kiln.runtime.engine.request import Request, RequestOutput, RequestStatus
+from kiln.runtime.engine.request import InFlightTokens, Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
 from kiln.runtime.engine.stats import EngineStats
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
@@ -159,7 +159,7 @@ class LLMEngine:
         if logits is None or (self.async_scheduling and len(logits) == len(reqs)
                               and all(req.samples_ahead for req in reqs)):
             if logits is not None:  # launch the sampler, read its tokens next step
-                out = self.sampler(logits, reqs)
+                out = self.sampler(logits, reqs, landing and landing.tokens)
                 self.in_flight = InFlight(
                     reqs, InFlightTokens(out.token_ids, {r: i for i, r in enumerate(reqs)}),
                     self.sampler.copy_out(out))

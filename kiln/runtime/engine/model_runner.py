@@ -11,7 +11,7 @@ import torch
 
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.cuda_graphs import DecodeGraphs
-from kiln.runtime.engine.request import Request, TokenLogprob
+from kiln.runtime.engine.request import InFlightTokens, Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
@@ -34,15 +34,6 @@ class ModelInput:
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
-
-@dataclass
-class InFlightTokens:
-    """The tokens a step sampled on the device that the host has not read yet
-    (--async-scheduling): the next step's inputs for those rows."""
-
-    token_ids: torch.Tensor  # [rows] int64, on the device
-    rows: dict[Request, int]  # request -> its row in token_ids
-
 
 PROMPT_LOGPROB_ROWS = 256  # logits rows materialised at once for prompt logprobs
 

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.sampling.params import SamplingParams
 
@@ -57,6 +59,15 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_accepted_tokens: int = 0  # drafted tokens the model agreed with, so far
     num_rejected_tokens: int = 0  # drafted tokens it did not
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens a step sampled on the device that the host has not read yet
+    (--async-scheduling): the next step's inputs, and penalty windows, for those rows."""
+
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    rows: dict[Request, int]  # request -> its row in token_ids
 
 
 @dataclass(eq=False)
@@ -131,9 +142,9 @@ class Request:
     @property
     def samples_ahead(self) -> bool:
         """Its next step may start before the host reads this step's token
-        (--async-scheduling): what the sampler needs of it does not depend on that token, as
-        a penalty window or a grammar would."""
-        return self.grammar is None and not self.sampling.has_penalties
+        (--async-scheduling): the sampler needs that token on the host only for a grammar's
+        mask (a penalty window takes it on the device)."""
+        return self.grammar is None
 
     def waits_for_leader(self) -> bool:
         leader = self.prefill_leader

@@ -19,7 +19,7 @@ from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata
 from kiln.kernels.sampling_ref import logprobs_from_stats, sample_ref
 from kiln.runtime.backends.cpu import library
 from kiln.runtime.backends.cpu.race import CpuDraw
-from kiln.runtime.engine.request import Request, TokenLogprob
+from kiln.runtime.engine.request import InFlightTokens, Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.sampling.grammar import build_grammar_bitmask
 from kiln.runtime.sampling.sampler_rows import SamplerRows
@@ -38,13 +38,17 @@ class Sampler:
         self._turn = 0
         self.cpu_draw = cpu_draw_for(device, use_triton)
 
-    def build_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
+    def build_metadata(self, requests: list[Request], vocab_size: int,
+                       in_flight: InFlightTokens | None = None) -> SamplingMetadata:
         """Every column built on the host and sent in one copy; the batch flags come from
         the host-side settings, so nothing here waits for the device. The rows' settings and
         windows are carried from the last step (SamplerRows); what is worked out each step
-        is the server's draws, seeded rows' offsets, biases and grammar masks."""
+        is the server's draws, seeded rows' offsets, biases and grammar masks. A penalty
+        window whose newest token is still in flight takes it on the device, in the ring
+        column the host puts it in once read."""
         rows, n = self.rows, len(requests)
         rows.update(requests)
+        fills = rows.in_flight_columns(requests) if in_flight is not None else []
         seeds, offsets = rows.seeds.copy(), np.zeros(n, dtype=np.int64)
         if rows.seeded_rows:
             offsets[rows.seeded_rows] = [len(requests[i].output_token_ids)
@@ -85,7 +89,14 @@ class Sampler:
             optional["bitmask"] = len(columns)
             columns.append(build_grammar_bitmask([r.grammar for r in requests],
                                                  vocab_size).numpy())
+        if fills:
+            optional["fills"] = len(columns)
+            columns += list(np.array([(i, c, in_flight.rows[requests[i]]) for i, c in fills],
+                                     dtype=np.int64).T)
         sent = self.staging.send(*columns)
+        if fills:
+            i, c, src = sent[optional["fills"]:optional["fills"] + 3]
+            sent[optional["window"]][i, c] = in_flight.token_ids[src]
 
         def get(name: str, offset: int = 0):
             return sent[optional[name] + offset] if name in optional else None
@@ -139,8 +150,9 @@ class Sampler:
             packed[:, 2:2 + n].astype(np.int64).tolist() if n else [[]] * rows,
             packed[:, 2 + n:].tolist() if n else [[]] * rows)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        meta = self.build_metadata(requests, logits.shape[-1])
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 in_flight: InFlightTokens | None = None) -> SamplerOutput:
+        meta = self.build_metadata(requests, logits.shape[-1], in_flight)
         if self.use_triton:
             return sample(logits, meta)
         return sample_ref(logits, meta, cpu=self.cpu_draw)
