@@ -125,8 +125,8 @@ def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engin
                                      ([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 6),
                                      (list(range(100, 140)), SamplingParams(temperature=0.0), 3),
                                      (list(range(200, 230)), SamplingParams(
-                                         temperature=0.0, repetition_penalty=1.5,
-                                         repeat_last_n=4), 6)))]
+                                         temperature=0.0, repetition_penalty=0.3,  # repeats:
+                                         repeat_last_n=4), 6)))]  # the newest token counts
             got[overlap] = run_with_logprobs(graph_engine, reqs)
             assert graph_engine.kv.block_pool.get_num_free_blocks() == \
                 graph_engine.config.num_blocks
