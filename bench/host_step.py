@@ -11,7 +11,10 @@ step's inputs, the sampler's metadata, the step's bookkeeping (the scheduler's u
 prefix cache's new full blocks, the outputs). On a GPU none of it overlaps the forward, so a
 batch-1 step is never faster than this. A step's Python work should not grow with the
 context: compare the rows of one batch size. The first column (host) is timed in a run of
-its own: the phases' timers cost ~0.5 us a call, and two phases are called once a row.
+its own: the phases' timers cost ~0.5 us a call, and two phases are called once a row. The
+second is the same steps with --async-scheduling: the same work in another order (each
+step's tokens read after the next step is launched), which a GPU would run beside its
+forward instead of before it.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class Timers:
                 setattr(owner, name, before)
 
 
-PHASES = ("host", "schedule", "prepare inputs", "sampler metadata", "take tokens",
+PHASES = ("host", "host (async)", "schedule", "prepare inputs", "sampler metadata", "take tokens",
           "fetch samples", "update (prefix cache)", "outputs", "rest")
 
 
@@ -131,12 +134,20 @@ def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, 
     for _ in range(3):
         engine.step()
     assert len(engine.scheduler.running) == batch, "every request decodes"
-    with Timers() as timers:  # the host's part: the sampler's own work is the device's
-        timers.wrap(sampler_module, "sample_ref", "sampler (device work)")
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        host = (time.perf_counter() - t0 - timers.seconds["sampler (device work)"]) / steps
+    host = {}
+    for overlap in (False, True):  # the same steps synchronous, then with --async-scheduling
+        engine.async_scheduling = overlap
+        for _ in range(2 * overlap):
+            engine.step()  # into the overlap's run: a step always in flight
+        with Timers() as timers:  # the host's part: the sampler's own work is the device's
+            timers.wrap(sampler_module, "sample_ref", "sampler (device work)")
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            host[overlap] = (time.perf_counter() - t0
+                             - timers.seconds["sampler (device work)"]) / steps
+    engine.async_scheduling = False
+    engine.step()  # reads the last tokens in flight
     # Then each phase: the timers cost ~0.5 us a call, and _take and _output are called per
     # row, so they run apart from the total above.
     with Timers() as timers:
@@ -154,8 +165,8 @@ def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, 
         total = time.perf_counter() - t0
     out = {k: v / steps * 1000 for k, v in timers.seconds.items()}
     wrapped = total / steps * 1000 - out.pop("sampler (device work)", 0.0)
-    out["rest"] = wrapped - sum(out.get(k, 0.0) for k in PHASES[1:-1])  # and the timers' cost
-    out["host"] = host * 1000
+    out["rest"] = wrapped - sum(out.get(k, 0.0) for k in PHASES[2:-1])  # and the timers' cost
+    out["host"], out["host (async)"] = host[False] * 1000, host[True] * 1000
     return out
 
 

@@ -115,7 +115,7 @@ def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engin
     runner, copies = graph_engine.runner, []
     fill = runner._tokens_in_flight
     runner._tokens_in_flight = lambda ids, reqs, ends, tokens: copies.append(
-        [tokens.rows[r] for r in reqs if r.num_in_flight]) or fill(ids, reqs, ends, tokens)
+        tokens.rows_of(reqs)) or fill(ids, reqs, ends, tokens)
     got = {}
     try:
         for overlap in (False, True):
@@ -132,7 +132,9 @@ def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engin
                 graph_engine.config.num_blocks
     finally:
         graph_engine.async_scheduling, runner._tokens_in_flight = False, fill
-    assert [0, 1, 2] in copies and [0, 2] in copies  # copied in order; a0, a2 after a1 left
+    # copied in order (None: the last step's rows), scattered when a1 left: a0 and a2
+    assert any(c is None for c in copies) and \
+        any(c is not None and c.tolist() == [0, 2] for c in copies), copies
     assert {k: [t for t, _ in v] for k, v in got[True].items()} == \
         {k: [t for t, _ in v] for k, v in got[False].items()}
     for rid in got[False]:  # torch's CPU GEMMs round a bucket of 4 and one of 2 differently

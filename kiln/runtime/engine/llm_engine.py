@@ -160,14 +160,12 @@ class LLMEngine:
                               and all(req.samples_ahead for req in reqs)):
             if logits is not None:  # launch the sampler, read its tokens next step
                 out = self.sampler(logits, reqs, landing and landing.tokens)
-                self.in_flight = InFlight(
-                    reqs, InFlightTokens(out.token_ids, {r: i for i, r in enumerate(reqs)}),
-                    self.sampler.copy_out(out))
+                self.in_flight = InFlight(reqs, InFlightTokens(out.token_ids, reqs),
+                                          self.sampler.copy_out(out))
                 for req in reqs:
                     req.num_in_flight += 1
             outputs = self._land(landing)  # the blocks filled need its tokens' hashes
-            self.scheduler.update_after_step(
-                [(req, n) for req, n in sched.scheduled if not req.is_finished])
+            self.scheduler.update_after_step(_unfinished(sched.scheduled, outputs))
             return outputs
         landed = self._land(landing)
         now = time.monotonic()
@@ -187,14 +185,13 @@ class LLMEngine:
         if sample_reqs:
             # The step's one device sync (with drafts, its second: raw_choices reads first).
             out = self.sampler.fetch(self.sampler(rows, sample_reqs))
-            sampled = [row for row in zip(sample_reqs, out.token_ids,
-                                          to_token_logprobs(out, sample_reqs))
-                       if not row[0].is_finished]  # (ended by the token just landed)
+            sampled = list(zip(sample_reqs, out.token_ids, to_token_logprobs(out, sample_reqs)))
+            if any(o.finished for o in landed):  # (ended by the token just read)
+                sampled = [row for row in sampled if not row[0].is_finished]
             for req, token, _ in sampled:
                 if (status := self._take(req, token, now)) is not None:
                     finished[req] = status
-        self.scheduler.update_after_step(
-            [(req, n) for req, n in sched.scheduled if not req.is_finished], rejected)
+        self.scheduler.update_after_step(_unfinished(sched.scheduled, landed), rejected)
         self._finish(finished)
         if not new:  # no drafts: every row sampled its one token (most steps)
             return landed + [self._output(req, [token], [lp]) for req, token, lp in sampled]
@@ -355,3 +352,12 @@ class LLMEngine:
             prefix_hit_tokens=s.prefix_hit_tokens, num_preemptions=s.num_preemptions,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens)
+
+
+def _unfinished(scheduled: list[tuple[Request, int]], landed: list[RequestOutput]
+                ) -> list[tuple[Request, int]]:
+    """The scheduled rows of requests that the tokens just read did not end (whose blocks
+    are gone): all of them in most steps, without a look at each."""
+    if not any(o.finished for o in landed):
+        return scheduled
+    return [(req, n) for req, n in scheduled if not req.is_finished]

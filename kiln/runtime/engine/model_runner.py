@@ -126,17 +126,14 @@ class ModelRunner:
         last step's in its order (a run of decode steps), else one scatter. A row with a
         token in flight is a running request's decode row, that token its last (the
         scheduler admits no request with one)."""
-        rows = in_flight.rows
-        pairs = [(int(end) - 1, rows[req]) for req, end in zip(reqs, ends) if req.num_in_flight]
-        if not pairs:
+        rows = in_flight.rows_of(reqs)
+        if rows is None:  # the last step's rows, each a decode row now
+            input_ids[:len(reqs)].copy_(in_flight.token_ids)
             return
-        dst, src = np.array(pairs, dtype=np.int64).T
-        k = len(pairs)
-        if (dst == np.arange(k)).all() and (src == dst).all():
-            input_ids[:k].copy_(in_flight.token_ids[:k])
-            return
-        dst_t, src_t = self.scatter_staging.send(dst, src)
-        input_ids[dst_t] = in_flight.token_ids[src_t]
+        flying = np.flatnonzero(rows >= 0)
+        if len(flying):
+            dst, src = self.scatter_staging.send(ends[flying] - 1, rows[flying])
+            input_ids[dst] = in_flight.token_ids[src]
 
     @staticmethod
     def _rows(scheduled: list[tuple[Request, int]], starts: list[int], ends: list[int]):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kiln.runtime.engine.engine_request import RequestOptions
@@ -61,13 +62,24 @@ class RequestOutput:
     num_rejected_tokens: int = 0  # drafted tokens it did not
 
 
-@dataclass
 class InFlightTokens:
     """The tokens a step sampled on the device that the host has not read yet
     (--async-scheduling): the next step's inputs, and penalty windows, for those rows."""
 
-    token_ids: torch.Tensor  # [rows] int64, on the device
-    rows: dict[Request, int]  # request -> its row in token_ids
+    def __init__(self, token_ids: torch.Tensor, requests: list[Request]):
+        self.token_ids = token_ids  # [rows] int64, on the device
+        self.requests = requests  # row i's request
+        self._rows: dict[Request, int] | None = None
+
+    def rows_of(self, requests: list[Request]) -> np.ndarray | None:
+        """Each request's row in token_ids, or -1 where it has none; None where `requests`
+        are these rows in their order (a run of decode steps: no lookup)."""
+        if requests == self.requests:  # identity per element: one C loop
+            return None
+        if self._rows is None:
+            self._rows = {r: i for i, r in enumerate(self.requests)}
+        rows = self._rows
+        return np.fromiter((rows.get(r, -1) for r in requests), np.int64, len(requests))
 
 
 @dataclass(eq=False)

@@ -48,7 +48,8 @@ class Sampler:
         column the host puts it in once read."""
         rows, n = self.rows, len(requests)
         rows.update(requests)
-        fills = rows.in_flight_columns(requests) if in_flight is not None else []
+        fills = rows.in_flight_columns(in_flight.rows_of(requests)) \
+            if in_flight is not None else None
         seeds, offsets = rows.seeds.copy(), np.zeros(n, dtype=np.int64)
         if rows.seeded_rows:
             offsets[rows.seeded_rows] = [len(requests[i].output_token_ids)
@@ -89,12 +90,11 @@ class Sampler:
             optional["bitmask"] = len(columns)
             columns.append(build_grammar_bitmask([r.grammar for r in requests],
                                                  vocab_size).numpy())
-        if fills:
+        if fills is not None and len(fills[0]):
             optional["fills"] = len(columns)
-            columns += list(np.array([(i, c, in_flight.rows[requests[i]]) for i, c in fills],
-                                     dtype=np.int64).T)
+            columns += fills
         sent = self.staging.send(*columns)
-        if fills:
+        if "fills" in optional:
             i, c, src = sent[optional["fills"]:optional["fills"] + 3]
             sent[optional["window"]][i, c] = in_flight.token_ids[src]
 

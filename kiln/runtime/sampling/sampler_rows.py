@@ -139,15 +139,18 @@ class SamplerRows:
                     self._put(rows[j:j + 1], np.array([token], dtype=np.int64))
         self.window_seen[rows] = lengths
 
-    def in_flight_columns(self, requests: list[Request]) -> list[tuple[int, int]]:
-        """(row, ring column) of each penalty window whose request has a token in flight
-        (--async-scheduling): the column that token takes once read, which the step's
+    def in_flight_columns(self, src: np.ndarray | None) -> list[np.ndarray]:
+        """[rows, ring columns, rows in the last step] of the penalty windows whose token is
+        in flight (--async-scheduling), given each row's row in the last step (-1: none;
+        None: the same rows): the column that token takes once read, which the step's
         window on the device holds it in meanwhile (the ring grown to hold it)."""
-        fills = [(i, int(self.window_count[i] % self.window_wrap[i]))
-                 for i in self.window_rows.tolist() if requests[i].num_in_flight]
-        if fills:
-            self._fit_window(max(c for _, c in fills) + 1)
-        return fills
+        rows = self.window_rows
+        if src is not None:
+            rows = rows[src[rows] >= 0]
+        columns = self.window_count[rows] % self.window_wrap[rows]
+        if len(columns):
+            self._fit_window(int(columns.max()) + 1)
+        return [rows, columns, rows if src is None else src[rows]]
 
     def _put(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         count = self.window_count[rows]
