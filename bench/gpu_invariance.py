@@ -71,11 +71,11 @@ def check_engine(loaded, device: str, dry: bool, line) -> None:
         rng.integers(0, V, length + 16 * i).tolist(),
         SamplingParams(temperature=0.0) if i < n // 2 else
         SamplingParams(temperature=0.8, seed=i),
-        RequestOptions(max_tokens=3 if dry else 16, ignore_eos=True, logprobs=1)))
+        RequestOptions(max_tokens=2 if dry else 16, ignore_eos=True, logprobs=1)))
         for i in range(n)]
     others = [(f"o{i}", EngineRequest(rng.integers(0, V, 2 * length).tolist(),
                                       SamplingParams(temperature=1.0, seed=100 + i),
-                                      RequestOptions(max_tokens=6 if dry else 24,
+                                      RequestOptions(max_tokens=3 if dry else 24,
                                                      ignore_eos=True)))
               for i in range(n if dry else 248)]
     engine = LLMEngine(loaded, EngineConfig(

@@ -65,3 +65,28 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
     assert all(len(v) == 5 for v in batched.values())
     assert cached == batched and cold == batched
     assert in_graphs == {i: batched[i] for i in in_graphs}
+
+
+def test_async_steps_through_the_graphs_give_the_synchronous_bits(model):
+    """--async-scheduling on the Triton path: each in-flight token is copied (rows in the last
+    step's order) or scattered (a row left) from the sampler's output into the graphs' static
+    input ids before the replay, and into a penalty window's ring on the device; the replies
+    are the synchronous engine's, bit for bit (the products do not follow the batch)."""
+    engine, copies, got = _engine(model, graphs=True), [], {}
+    fill = engine.runner._tokens_in_flight
+    engine.runner._tokens_in_flight = lambda ids, reqs, ends, tokens: copies.append(
+        tokens.rows_of(reqs)) or fill(ids, reqs, ends, tokens)
+    for overlap in (False, True):
+        engine.async_scheduling = overlap
+        reqs = [make_request(engine, f"a{i}", p, sp, max_tokens=n, logprobs=2, ignore_eos=True)
+                for i, (p, sp, n) in enumerate((
+                    ([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 6),
+                    (list(range(100, 140)), SamplingParams(temperature=0.0), 3),  # leaves first
+                    (list(range(200, 230)), SamplingParams(  # favours repeats: its newest
+                        temperature=0.0, repetition_penalty=0.3, repeat_last_n=4), 6)))]  # counts
+        got[overlap] = run_with_logprobs(engine, reqs)
+        assert engine.kv.block_pool.get_num_free_blocks() == engine.config.num_blocks
+    # copied in order (None: the last step's rows), scattered when a1 left: a0 and a2
+    assert any(c is None for c in copies) and \
+        any(c is not None and c.tolist() == [0, 2] for c in copies), copies
+    assert got[True] == got[False]

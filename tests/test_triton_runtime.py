@@ -107,42 +107,6 @@ def test_decode_through_the_graph_buckets_generates_what_the_eager_engine_does(
                                    atol=3e-5, rtol=0)
 
 
-def test_async_steps_through_the_graphs_give_the_synchronous_replies(graph_engine):
-    """--async-scheduling on the Triton path: each in-flight token is copied (rows in the last
-    step's order) or scattered (a row left) from the sampler's output into the graphs' static
-    input ids before the replay, and into a penalty window's ring on the device; the replies
-    are the synchronous engine's."""
-    runner, copies = graph_engine.runner, []
-    fill = runner._tokens_in_flight
-    runner._tokens_in_flight = lambda ids, reqs, ends, tokens: copies.append(
-        tokens.rows_of(reqs)) or fill(ids, reqs, ends, tokens)
-    got = {}
-    try:
-        for overlap in (False, True):
-            graph_engine.async_scheduling = overlap
-            reqs = [make_request(graph_engine, f"a{i}", p, sp, max_tokens=n, logprobs=2,
-                                 ignore_eos=True) for i, (p, sp, n) in enumerate((
-                                     ([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 6),
-                                     (list(range(100, 140)), SamplingParams(temperature=0.0), 3),
-                                     (list(range(200, 230)), SamplingParams(
-                                         temperature=0.0, repetition_penalty=0.3,  # repeats:
-                                         repeat_last_n=4), 6)))]  # the newest token counts
-            got[overlap] = run_with_logprobs(graph_engine, reqs)
-            assert graph_engine.kv.block_pool.get_num_free_blocks() == \
-                graph_engine.config.num_blocks
-    finally:
-        graph_engine.async_scheduling, runner._tokens_in_flight = False, fill
-    # copied in order (None: the last step's rows), scattered when a1 left: a0 and a2
-    assert any(c is None for c in copies) and \
-        any(c is not None and c.tolist() == [0, 2] for c in copies), copies
-    assert {k: [t for t, _ in v] for k, v in got[True].items()} == \
-        {k: [t for t, _ in v] for k, v in got[False].items()}
-    for rid in got[False]:  # torch's CPU GEMMs round a bucket of 4 and one of 2 differently
-        torch.testing.assert_close(torch.tensor([lp for _, lp in got[True][rid]]),
-                                   torch.tensor([lp for _, lp in got[False][rid]]),
-                                   atol=3e-5, rtol=0)
-
-
 def test_the_triton_sampler_follows_the_grammar_bitmask(engines, smollm2):
     outputs = []
     for engine in engines:
