@@ -33,6 +33,19 @@ def prefill(engine: LLMEngine, rng, params: SamplingParams, B: int, length: int,
     return time.perf_counter() - t0
 
 
+def _syncs(engine: LLMEngine, device: str) -> str:
+    """The host's waits for the device in one step that torch's sync debug mode sees (the
+    samples' wait, and any .item() or copy to pageable memory)."""
+    if device != "cuda":
+        return "n/a (CPU)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        engine.step()
+        torch.cuda.set_sync_debug_mode("default")
+    return str(sum("synchroniz" in str(w.message) for w in caught))
+
+
 def _step_ms(engine: LLMEngine, steps: int) -> float:
     """Milliseconds a decode step, over `steps` steps after two untimed ones (with
     --async-scheduling, a step's tokens are read during the next: the run settles first)."""
@@ -76,25 +89,20 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
             steps = 2 if dry else 48
             for _ in range(2):
                 engine.step()
-            syncs = "n/a (CPU)"
-            if device == "cuda":
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    engine.step()
-                    torch.cuda.set_sync_debug_mode("default")
-                syncs = str(sum("synchroniz" in str(w.message) for w in caught))
+            syncs = _syncs(engine, device)
             ms = _step_ms(engine, steps)
             line(f"decode step {label} batch {B} {mode}", ms, "ms",
                  f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
                  f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
             if graphs and invariant:  # kiln serve --async-scheduling, on the same batch
                 engine.async_scheduling = True
+                engine.step()  # a step in flight from here on
+                async_syncs = _syncs(engine, device)
                 async_ms = _step_ms(engine, steps)
                 engine.async_scheduling = False
                 line(f"decode step {label} batch {B} {mode} async", async_ms, "ms",
                      f"{B / async_ms * 1000:.0f} tok/s; {ms / async_ms:.2f}x the synchronous "
-                     "steps above")
+                     f"steps above; host syncs in a step: {async_syncs}")
             for rid in list(engine.requests):
                 engine.abort(rid)
     finally:
