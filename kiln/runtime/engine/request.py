@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kiln.runtime.engine.engine_request import RequestOptions
 from kiln.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from kiln.runtime.drafting.pace import DraftPace
     from kiln.runtime.sampling.grammar import GrammarState
     from kiln.runtime.text.stop_strings import StopStringChecker
