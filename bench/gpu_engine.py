@@ -1,5 +1,6 @@
 """bench/gpu_check.py's engine sections: decode steps without HTTP at several batch sizes,
-with and without CUDA graphs, and the prefill before them.
+with and without CUDA graphs, the prefill before them, and with graphs the steps that bring
+a prompt beside the decoding rows, through the piecewise graphs and eagerly.
 
 A section takes the check's own `line` (one figure a line).
 """
@@ -57,6 +58,36 @@ def _step_ms(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
+def _mixed_ms(engine: LLMEngine, rng, params: SamplingParams, length: int, reps: int,
+              tag: str) -> float:
+    """Milliseconds of a step that brings a new `length`-token prompt beside the running
+    rows (the step after every arrival; the prompt's one token ends its reply)."""
+    total = 0.0
+    for i in range(reps):
+        prompt = rng.integers(0, engine.vocab_size, length).tolist()
+        engine.add_request(engine.make_request(f"mixed-{tag}{i}", EngineRequest(
+            prompt, params, RequestOptions(max_tokens=1, ignore_eos=True))))
+        t0 = time.perf_counter()
+        engine.step()
+        total += time.perf_counter() - t0
+    return total / reps * 1000
+
+
+def _time_mixed(engine: LLMEngine, rng, params: SamplingParams, B: int, dry: bool, line,
+                label: str, mode: str) -> None:
+    """Mixed steps through the piecewise graphs against the same steps' eager forward, on
+    the same engine and batch, alternating."""
+    pieces, length = engine.runner.pieces, 16 if dry else 100
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i, on in enumerate((True, False) * (1 if dry else 3)):
+        engine.runner.pieces = pieces if on else None
+        times[on].append(_mixed_ms(engine, rng, params, length, 1 if dry else 8, f"{B}-{i}"))
+    engine.runner.pieces = pieces
+    ms, eager_ms = min(times[True]), min(times[False])
+    line(f"mixed step {label} batch {B} + 1 x {length} {mode} pieces", ms, "ms",
+         f"the same steps' eager forward {eager_ms:.3f} ms: pieces {eager_ms / ms:.2f}x")
+
+
 def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, batches,
                 graphs: bool, invariant: bool) -> None:
     """Engine steps without HTTP: the prefill of B 128-token prompts (16 in a dry run: the
@@ -103,6 +134,8 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
                 line(f"decode step {label} batch {B} {mode} async", async_ms, "ms",
                      f"{B / async_ms * 1000:.0f} tok/s; {ms / async_ms:.2f}x the synchronous "
                      f"steps above; host syncs in a step: {async_syncs}")
+            if graphs:  # a prompt arriving beside the B rows: the pieces' step
+                _time_mixed(engine, rng, params, B, dry, line, label, mode)
             for rid in list(engine.requests):
                 engine.abort(rid)
     finally:

@@ -4,6 +4,8 @@ alone, beside others, with its prefix cached, cold, and through the decode graph
 path in the interpreter on a tiny random llama (as tests/test_triton_runtime.py), where
 torch's CPU GEMMs, like cuBLAS, round a row by its batch."""
 
+import itertools
+
 import pytest
 from conftest import make_request, run_with_logprobs
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
@@ -61,7 +63,23 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
         cold |= _run(fresh, [req])
         assert req.num_cached_tokens == 0 and fresh.reset_prefix_cache()
     graphs = _engine(model, graphs=True)
-    in_graphs = _run(graphs, _requests(graphs, "g")[1:])  # decode as a bucket of 4 rows
+    pieces, steps = graphs.runner.pieces, []  # the piecewise graphs' steps: their tokens
+    forward = pieces.forward
+    pieces.forward = lambda ids, *args: steps.append(len(ids)) or forward(ids, *args)
+    reqs = _requests(graphs, "g")[1:]
+    out = {r.request_id: [] for r in reqs}
+    for req in reqs[1:]:  # prefilled through the pieces, decoded in the graphs ...
+        graphs.add_request(req)
+    for step in itertools.count():
+        if step == 2:  # ... then beside this prompt's chunk: a mixed step
+            graphs.add_request(reqs[0])
+        if not graphs.has_unfinished():
+            break
+        for o in graphs.step():
+            out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
+    assert graphs.kv.block_pool.get_num_free_blocks() == graphs.config.num_blocks
+    assert steps[:2] == [43, 95], steps
+    in_graphs = {int(rid[1:]): tokens for rid, tokens in out.items()}
     assert all(len(v) == 3 for v in batched.values())
     assert cached == batched and cold == batched
     assert in_graphs == {i: batched[i] for i in in_graphs}

@@ -21,6 +21,7 @@ from triton.runtime import interpreter
 
 from kiln.kernels import BLOCK_SIZE, INTERPRET
 from kiln.runtime.backends.dense import DenseBackend
+from kiln.runtime.engine.piecewise_graphs import PiecewiseGraphs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.models.loader import ARCHITECTURES
 from kiln.runtime.store.gguf_file import open_gguf
@@ -42,20 +43,32 @@ class KernelCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.launches: collections.Counter = collections.Counter()
-        self._in_triton = 0
+        self._in_triton = self._quiet = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self._in_triton and not func.is_view and name not in self.NOT_KERNELS:
+        if not (self._in_triton or self._quiet or func.is_view or name in self.NOT_KERNELS):
             self.launches[f"torch {name}"] += 1
         return func(*args, **(kwargs or {}))
+
+    def as_one_launch(self, fn, name: str):
+        """fn counted as one launch, whatever it runs: a CUDA graph's replay."""
+        def replay(*args, **kwargs):
+            self.launches[name] += 1
+            self._quiet += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._quiet -= 1
+        return replay
 
     def __enter__(self):
         run = self._run = interpreter.GridExecutor.__call__
         count = self
 
         def counted(executor, *args, **kwargs):
-            count.launches[f"triton {executor.fn.__name__}"] += 1
+            if not count._quiet:
+                count.launches[f"triton {executor.fn.__name__}"] += 1
             count._in_triton += 1
             try:
                 return run(executor, *args, **kwargs)
@@ -104,9 +117,7 @@ def _tiny(arch: str, layers: int, vocab: int) -> tuple[str, dict, dict]:
     return arch, meta, t
 
 
-def decode_step_kernels(path, max_seq_len: int = CTX) -> KernelCount:
-    """The kernels of one decode step of two sequences (forward and LM head), as the graph
-    captured for contexts up to max_seq_len runs it."""
+def _model_and_cache(path):
     gf = open_gguf(path)
     family = ARCHITECTURES[gf.arch]
     # the products as kiln serve runs them on CUDA by default: the batch-invariant matmul
@@ -114,8 +125,15 @@ def decode_step_kernels(path, max_seq_len: int = CTX) -> KernelCount:
                          DenseBackend("cpu", use_triton=True, batch_invariant=True))
     cfg = model.cfg
     num_blocks = 2 * CTX // BLOCK_SIZE
-    kv = [model.backend.kv_cache(num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-          for _ in range(cfg.num_layers)]
+    return model, [model.backend.kv_cache(num_blocks, BLOCK_SIZE, cfg.num_kv_heads,
+                                          cfg.head_dim) for _ in range(cfg.num_layers)]
+
+
+def decode_step_kernels(path, max_seq_len: int = CTX) -> KernelCount:
+    """The kernels of one decode step of two sequences (forward and LM head), as the graph
+    captured for contexts up to max_seq_len runs it."""
+    model, kv = _model_and_cache(path)
+    num_blocks = 2 * CTX // BLOCK_SIZE
     seq_lens = torch.tensor([5, 40], dtype=torch.int32)
     tables = torch.arange(num_blocks, dtype=torch.int32).view(2, -1)
     meta = AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, tables,
@@ -160,3 +178,47 @@ def test_steps_within_one_partition_skip_the_merge(tmp_path):
     (long2, short2), (long3, short3) = counts
     assert (short3.total - short2.total) == (long3.total - long2.total) - 1
     assert "triton _reduce_partitions_kernel" not in short3.launches
+
+
+def mixed_step_launches(path, piecewise: bool) -> KernelCount:
+    """What the host launches for a step of a 20-token prompt chunk beside a decode row
+    (forward and the two rows' logits): eagerly, or through the piecewise graphs, each
+    piece's replay one launch."""
+    model, kv = _model_and_cache(path)
+    num_blocks = 2 * CTX // BLOCK_SIZE
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(2, -1)
+    meta = AttentionMetadata(torch.tensor([0, 1, 21], dtype=torch.int32),
+                             torch.tensor([40, 20], dtype=torch.int32), tables,
+                             torch.cat([torch.tensor([39]), CTX + torch.arange(20)]), 20, 40)
+    ids, positions = torch.arange(11, 32), torch.cat([torch.tensor([39]), torch.arange(20)])
+    forward = model.forward
+    if piecewise:
+        pieces = PiecewiseGraphs(model, 64, torch.device("cpu"))
+        forward = pieces.forward
+    with torch.inference_mode(), KernelCount() as count:
+        if piecewise:
+            pieces._piece = count.as_one_launch(pieces._piece, "graph replay")
+        model.compute_logits(forward(ids, positions, meta, kv)[torch.tensor([0, 20])])
+    return count
+
+
+def test_a_mixed_step_through_the_pieces_launches_a_replay_and_attention_a_layer(tmp_path):
+    """A step with a prompt chunk (no decode graph takes it) through the piecewise graphs:
+    a layer's dense work is one replay, beside attention's own launches (RoPE with the KV
+    store, the attention), where the eager step launches them all."""
+    eager, pieces = [], []
+    for layers in (2, 3):
+        gguf_arch, meta, t = _tiny("llama", layers, 512)
+        path = write_gguf(tmp_path / f"llama-{layers}.gguf", gguf_arch, meta, t,
+                          tokenizer_from=None)
+        eager.append(mixed_step_launches(path, False))
+        pieces.append(mixed_step_launches(path, True))
+    per_layer = pieces[1].launches - pieces[0].launches
+    what = f"{dict(per_layer)} a layer through the pieces, " \
+        f"{dict(eager[1].launches - eager[0].launches)} eagerly"
+    print(what)
+    assert per_layer == {"graph replay": 1, "triton _rope_store_kernel": 1,
+                         "triton _paged_attention_kernel": 1}, what
+    assert eager[1].total - eager[0].total >= 3 * sum(per_layer.values()), what
+    # the fixed part: the input ids' copy, the first piece's replay, the LM head's launches
+    assert pieces[0].total - 2 * sum(per_layer.values()) <= MAX_FIXED, what

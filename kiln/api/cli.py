@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "gets what the weights and a step's activations leave of it "
                             "(unless --kv-cache-tokens says)")
     serve.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run decode steps eagerly, without the CUDA graphs captured "
-                            "at load")
+                       help="CUDA: run every step eagerly, without the CUDA graphs captured "
+                            "at load (decode, and the pieces of steps with a prompt)")
     serve.add_argument("--async-scheduling", action="store_true",
                        help="launch each step before reading the last one's tokens, so the "
                             "host schedules and stages while the GPU computes (vLLM's flag; "

@@ -114,20 +114,22 @@ class DenseBackend:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                   positions: torch.Tensor, rope: RopeTable, scale: float, sliding_window: int,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                  ) -> torch.Tensor:
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """q, k, v: views of this step's product, q and k not yet normalised nor rotated; q is
-        rotated in place, k on its way into the cache."""
+        rotated in place, k on its way into the cache. -> [T, heads * head_dim], in out if
+        given (a buffer a CUDA graph reads)."""
         key_cache, value_cache = kv_cache
         fn = rope_store_kvcache if self.use_triton else rope_store_kvcache_ref
         fn(q, k, v, key_cache, value_cache, meta.slot_mapping, positions, rope.cos, rope.sin,
            qk_norm)
         args = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, scale)
+        heads = None if out is None else out.view(q.shape)
         if self.use_triton:
-            out = paged_attention(*args, sliding_window=sliding_window,
-                                  max_seq_len=meta.max_seq_len,
-                                  max_query_len=meta.max_query_len)
+            heads = paged_attention(*args, sliding_window=sliding_window,
+                                    max_seq_len=meta.max_seq_len,
+                                    max_query_len=meta.max_query_len, out=heads)
         else:
-            out = paged_attention_ref(*args, sliding_window=sliding_window)
-        return out.reshape(q.shape[0], -1)
+            heads = paged_attention_ref(*args, sliding_window=sliding_window, out=heads)
+        return heads.reshape(q.shape[0], -1)

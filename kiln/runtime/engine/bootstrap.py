@@ -31,7 +31,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     dtype: str = "auto"  # runtime.backends.resolve_dtype
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's flag)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (vLLM's flag)
     async_scheduling: bool = False  # EngineConfig.async_scheduling (vLLM's flag)
     # CUDA: products whose reduction order never follows the batch (kernels/matmul.py), so a
     # seeded or greedy request's bits do not depend on its neighbours; False: cuBLAS's

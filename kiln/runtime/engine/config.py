@@ -30,7 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 0
     device: str = "cpu"
     use_triton: bool = False  # CUDA: True; on CPU only under TRITON_INTERPRET (tests)
-    cuda_graphs: bool = False  # decode through CUDA graphs (CUDA, unless --enforce-eager)
+    cuda_graphs: bool = False  # CUDA graphs: decode, pieces (CUDA, unless --enforce-eager)
     kv_bytes_per_token: int = 0  # the KV cache's memory per token (0: not told)
     speculative: SpeculativeConfig | None = None  # drafting (--speculative); None: off
     # Launch step n + 1 before reading step n's tokens where its rows allow (vLLM's

@@ -112,9 +112,9 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Largest bucket first, all in one memory pool (a smaller graph reuses its memory)."""
-        pool = None
+    def capture(self, pool=None):
+        """Largest bucket first, all in one memory pool (a smaller graph reuses its memory;
+        pool: another family's, shared) -> the pool."""
         for b in reversed(self.sizes):
             for span in reversed(self.spans):
                 self._forward(b, span)  # eagerly first: lazy initialisations stay out
@@ -124,6 +124,7 @@ class DecodeGraphs:
                     self.outputs[b, span] = self._forward(b, span)
                 pool = graph.pool()
                 self.graphs[b, span] = graph
+        return pool
 
     def stage(self, b: int, input_ids: np.ndarray, positions: np.ndarray,
               slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,

@@ -78,14 +78,17 @@ class LLMEngine:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         log.info("[kiln]  Compiled %d kernel variants in %.1f s", len(launches), t1 - t0)
-        if self.runner.graphs is not None:
-            for graphs in (self.runner.graphs, self.runner.spec_graphs):
+        runner = self.runner
+        if runner.graphs is not None:
+            pool = runner.pieces.capture()  # the largest intermediates first
+            for graphs in (runner.graphs, runner.spec_graphs):
                 if graphs is not None:
-                    graphs.capture()
-            drafts = " (and with drafts)" if self.runner.spec_graphs is not None else ""
-            log.info("[kiln]  Captured decode CUDA graphs%s for batch sizes %s in %.1f s",
-                     drafts, ",".join(map(str, self.runner.graphs.sizes)),
-                     time.perf_counter() - t1)
+                    pool = graphs.capture(pool)
+            drafts = " (and with drafts)" if runner.spec_graphs is not None else ""
+            log.info("[kiln]  Captured CUDA graphs in %.1f s: decode%s for batch sizes %s, "
+                     "the pieces between attentions for steps of up to %s tokens",
+                     time.perf_counter() - t1, drafts, ",".join(map(str, runner.graphs.sizes)),
+                     ",".join(map(str, runner.pieces.sizes)))
 
     @property
     def vocab_size(self) -> int:

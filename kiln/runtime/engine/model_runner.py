@@ -11,6 +11,7 @@ import torch
 
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.cuda_graphs import DecodeGraphs
+from kiln.runtime.engine.piecewise_graphs import PiecewiseGraphs
 from kiln.runtime.engine.request import InFlightTokens, Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
@@ -31,6 +32,7 @@ class ModelInput:
     num_logits_rows: list[int] = field(default_factory=list)
     graphs: DecodeGraphs | None = None  # a decode (with drafts or not) through these ...
     graph_bucket: int | None = None  # ... padded to this bucket
+    pieces: PiecewiseGraphs | None = None  # any other step through these, if it fits
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -54,8 +56,9 @@ class ModelRunner:
         self.scatter_staging = StagingBuffer(self.device, capacity=1 << 12)  # in-flight rows
         self.cpu_draw = cpu_draw_for(self.device, config.use_triton)  # for prompt logprobs
         self._threads_set = False
-        self.graphs = self.spec_graphs = None
+        self.graphs = self.spec_graphs = self.pieces = None
         if config.cuda_graphs:
+            self.pieces = PiecewiseGraphs(model, config.token_budget, self.device)
             args = (model, self.kv_caches, config.max_num_seqs, config.ctx_len,
                     config.block_size, self.device)
             self.graphs = DecodeGraphs(*args)
@@ -103,10 +106,13 @@ class ModelRunner:
                 bucket = graphs.bucket(num_seqs)
         arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         indices = np.array(logits_indices, dtype=np.int64)
+        pieces = None
         if bucket is not None:  # straight into the graphs' own inputs
             sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices)
         else:
             graphs, sent = None, self.staging.send(*arrays, indices)
+            if self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
+                pieces = self.pieces
         (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
          logits_indices_t) = sent
         if in_flight is not None:
@@ -117,7 +123,7 @@ class ModelRunner:
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
-                          prompt_logprob_rows=prompt_rows)
+                          pieces=pieces, prompt_logprob_rows=prompt_rows)
 
     def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
                           ends: np.ndarray, in_flight: InFlightTokens) -> None:
@@ -174,7 +180,8 @@ class ModelRunner:
             if inp.graphs.tokens_per_row == 1:
                 return logits[:len(inp.sampling_requests)]
             return logits[inp.logits_indices]  # each row's tokens, drafts and all
-        hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+        forward = self.model.forward if inp.pieces is None else inp.pieces.forward
+        hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         for req, row, lo, hi in inp.prompt_logprob_rows:
             req.prompt_logprob_entries += self._prompt_logprobs(hidden[row:row + hi - lo],
                                                                 req, lo, hi)

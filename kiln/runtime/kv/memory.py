@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kiln.kernels.attention import PARTITION_SIZE
 from kiln.runtime.engine.config import EngineConfig
+from kiln.runtime.engine.piecewise_graphs import MAX_TOKENS
 from kiln.runtime.models.config import ModelConfig
 
 
@@ -29,7 +30,13 @@ def step_activation_bytes(cfg: ModelConfig, config: EngineConfig, dtype_bytes: i
     split_kv = T * cfg.num_heads * partitions * (head_dim_padded + 2) * 4
     # Logits (and their fp32 copy when soft-capped), the sampler's fp32 work and int32 counts.
     sampler = S * cfg.vocab_size * (dtype_bytes + 4 + 4 + 4)
-    return 2 * (T * per_token + split_kv + sampler)  # 2x: allocator slack, torch temporaries
+    # The piecewise graphs hold each piece's output at every bucket (their sizes sum to
+    # under twice the largest), beside the residual stream, the final states and attention's.
+    held = 2 * MAX_TOKENS * (cfg.num_layers * qkv + 2 * cfg.hidden_size
+                             + cfg.num_heads * cfg.head_dim) * dtype_bytes \
+        if config.cuda_graphs else 0
+    # 2x: allocator slack, torch temporaries
+    return 2 * (T * per_token + split_kv + sampler) + held
 
 
 def kv_cache_tokens_for_memory(free: int, total: int, utilization: float, cfg: ModelConfig,

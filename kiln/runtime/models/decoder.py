@@ -45,28 +45,51 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:  # [T, hidden]
-        cfg, be = self.cfg, self.backend
-        T, H, KVH, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
+        """The forward as its pieces: the dense work between two attentions is one piece
+        (what engine/piecewise_graphs.py captures), attention runs between them."""
+        h = self.embed_tokens(input_ids)
+        out = self.first_projection(h)
+        for i, kv_cache in enumerate(kv_caches):
+            out = self.after_attention(i, h, self.attend(i, out, positions, meta, kv_cache))
+        return out
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The residual stream h, which each after_attention then updates in place."""
         h = self.embed(input_ids)
-        if cfg.embedding_scale != 1.0:
-            h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
-        # The residual stream h takes each sublayer's output in the call that normalises it
-        # for the next sublayer (Gemma's norm of that output too): one kernel on the GPU.
-        x = be.rms_norm(h, self.layers[0].attn_norm, eps)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart
-            # (one view and one split: half the host time of three slices and views).
-            q, k, v = layer.qkv(x).view(T, H + 2 * KVH, D).split((H, KVH, KVH), dim=1)
-            qk_norm = (layer.q_norm, layer.k_norm, eps) if layer.q_norm is not None else None
-            attn = be.attention(q, k, v, kv_cache, meta, positions, layer.rope, cfg.attn_scale,
-                                layer.sliding_window, qk_norm)
-            x = be.add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, layer.post_attn_norm)
-            mlp = layer.down(be.act_mul(layer.gate_up(x), cfg.activation))
-            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else \
-                self.final_norm
-            x = be.add_rms_norm(h, mlp, after, eps, layer.post_ffn_norm)
-        return x
+        if self.cfg.embedding_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embedding_scale, dtype=h.dtype)
+        return h
+
+    def first_projection(self, h: torch.Tensor) -> torch.Tensor:  # [T, (H + 2 KVH) * D]
+        return self.layers[0].qkv(self.backend.rms_norm(h, self.layers[0].attn_norm,
+                                                        self.cfg.rms_norm_eps))
+
+    def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               out: torch.Tensor | None = None) -> torch.Tensor:  # [T, H * D]
+        """Layer i's attention on its QKV product (into out if given: [T, H * D])."""
+        cfg, layer = self.cfg, self.layers[i]
+        T, H, KVH = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads
+        # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart
+        # (one view and one split: half the host time of three slices and views).
+        q, k, v = qkv.view(T, H + 2 * KVH, cfg.head_dim).split((H, KVH, KVH), dim=1)
+        qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_norm_eps) \
+            if layer.q_norm is not None else None
+        return self.backend.attention(q, k, v, kv_cache, meta, positions, layer.rope,
+                                      cfg.attn_scale, layer.sliding_window, qk_norm, out)
+
+    def after_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer i from its attention's output on: the next layer's QKV product, or the last
+        layer's normalised output [T, hidden]. The residual stream h takes each sublayer's
+        output in the call that normalises it for the next sublayer (Gemma's norm of that
+        output too): one kernel on the GPU."""
+        be, layer, eps = self.backend, self.layers[i], self.cfg.rms_norm_eps
+        x = be.add_rms_norm(h, layer.o(attn), layer.ffn_norm, eps, layer.post_attn_norm)
+        mlp = layer.down(be.act_mul(layer.gate_up(x), self.cfg.activation))
+        last = i + 1 == len(self.layers)
+        x = be.add_rms_norm(h, mlp, self.final_norm if last else self.layers[i + 1].attn_norm,
+                            eps, layer.post_ffn_norm)
+        return x if last else self.layers[i + 1].qkv(x)
 
     @property
     def logits_dtype(self) -> torch.dtype:

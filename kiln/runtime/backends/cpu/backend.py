@@ -254,7 +254,8 @@ class CpuBackend:
         scale: float,
         sliding_window: int,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q w, k w, eps)
-    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        out: torch.Tensor | None = None,  # [T, num_heads * head_dim], contiguous
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]: out if given
         """Normalise each head of q and k (QK-norm) and rotate them (RoPE) in place, store this
         step's K/V through the slot mapping, then attend over the paged cache. The
         metadata's dtypes (int32 tables and lengths, int64 slots) are the runner's."""
@@ -278,7 +279,9 @@ class CpuBackend:
         self.lib.kiln_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                meta.slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
                                value_cache.data_ptr(), self.kv_fp16)
-        out = self._output("attention", T, H * D)
+        if out is None:
+            out = self._output("attention", T, H * D)
+        assert out.shape == (T, H * D) and out.is_contiguous()
         bt = meta.block_tables
         self.lib.kiln_attention(q.data_ptr(), q.stride(0), D, key_cache.data_ptr(),
                                 value_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
