@@ -61,7 +61,9 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self, pool=None):
         """Largest bucket first, all in one memory pool (pool: to share the decode graphs');
-        each piece run eagerly once first, so lazy initialisations stay out. -> the pool."""
+        each piece run eagerly once first, so lazy initialisations stay out. -> the pool.
+        A graph's intermediates may lie where a graph captured after it holds an output: safe,
+        since within a step every output is written by its own replay before it is read."""
         for b in reversed(self.sizes):
             graphs, outputs = [], []
             for i in range(self.num_pieces):
