@@ -422,8 +422,8 @@ def test_attention_of_many_sequences_gives_each_row_its_own_bits(kv_be, heads, w
 
 
 def test_backend_attention_stores_through_the_slot_mapping(kv_be):
-    """The backend's attention() writes this step's K/V where the slot mapping says (-1:
-    nowhere), rounded to the cache's dtype, and then reads them back."""
+    """The backend's rope_store_kv() writes this step's K/V where the slot mapping says (-1:
+    nowhere), rounded to the cache's dtype, and attention() then reads them back."""
     be = kv_be
     H, KVH, D = 4, 2, 64
     kc, vc = be.kv_cache(8, BS, KVH, D)
@@ -438,8 +438,9 @@ def test_backend_attention_stores_through_the_slot_mapping(kv_be):
     meta = AttentionMetadata(torch.tensor([0, 3], dtype=torch.int32),
                              torch.tensor([3], dtype=torch.int32), table, slots, 3, 3)
     # at position 0 RoPE turns nothing: what is stored is k itself
-    out = be.attention(q, k, v, (kc, vc), meta, torch.zeros(3, dtype=torch.int64),
-                       RopeTable(D, 4, 10000.0, "cpu"), D ** -0.5, 0)
+    be.rope_store_kv(q, k, v, (kc, vc), slots, torch.zeros(3, dtype=torch.int64),
+                     RopeTable(D, 4, 10000.0, "cpu"))
+    out = be.attention(q, (kc, vc), meta, D ** -0.5, 0)
     assert torch.equal(kc[5, :, :, :3].permute(2, 0, 1), k.to(kc.dtype))
     assert torch.equal(vc[5, :, :3].permute(1, 0, 2), v.to(vc.dtype))
     assert kc[2].abs().sum() == 0 and vc[:5].abs().sum() == 0

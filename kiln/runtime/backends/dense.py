@@ -111,20 +111,21 @@ class DenseBackend:
     def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return (act_mul if self.use_triton else act_mul_ref)(gate_up, activation)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                  positions: torch.Tensor, rope: RopeTable, scale: float, sliding_window: int,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+    def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                      positions: torch.Tensor, rope: RopeTable,
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
         """q, k, v: views of this step's product, q and k not yet normalised nor rotated; q is
-        rotated in place, k on its way into the cache. -> [T, heads * head_dim], in out if
-        given (a buffer a CUDA graph reads)."""
-        key_cache, value_cache = kv_cache
+        normalised and rotated in place, k on its way into the cache, v stored as it is."""
         fn = rope_store_kvcache if self.use_triton else rope_store_kvcache_ref
-        fn(q, k, v, key_cache, value_cache, meta.slot_mapping, positions, rope.cos, rope.sin,
-           qk_norm)
-        args = (q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, scale)
+        fn(q, k, v, *kv_cache, slot_mapping, positions, rope.cos, rope.sin, qk_norm)
+
+    def attention(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata, scale: float, sliding_window: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads, head_dim] over the paged cache -> [T, heads * head_dim], in out if
+        given (a buffer a CUDA graph reads)."""
+        args = (q, *kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
         heads = None if out is None else out.view(q.shape)
         if self.use_triton:
             heads = paged_attention(*args, sliding_window=sliding_window,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kiln.kernels.attention import PARTITION_SIZE
-from kiln.runtime.engine.staging import StaticInputs
+from kiln.runtime.engine.staging import StepInputs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -49,13 +49,8 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_num_seqs)
         T, S = self.shape(self.sizes[-1])
         max_blocks = -(-ctx_len // block_size)
-        # One set of static inputs at the largest bucket (bucket b uses the first rows), the
-        # block tables last: a step sends the layout up to its bucket's rows of them.
-        self.inputs = StaticInputs(device, [
-            ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
-            ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
-            ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
-            ("block_tables", torch.int32, (S, max_blocks))])
+        # One set of static inputs at the largest bucket (bucket b uses the first rows).
+        self.inputs = StepInputs(device, T, S, max_blocks)
         t = self.inputs.tensors
         self.input_ids, self.positions, self.slot_mapping = \
             t["input_ids"], t["positions"], t["slot_mapping"]
@@ -126,26 +121,11 @@ class DecodeGraphs:
                 self.graphs[b, span] = graph
         return pool
 
-    def stage(self, b: int, input_ids: np.ndarray, positions: np.ndarray,
-              slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-              block_tables: np.ndarray, logits_indices: np.ndarray) -> list[torch.Tensor]:
-        """Inputs padded to bucket b by `pad` -> the static tensors holding them, sent in one
-        copy. Stale block-table columns past this step's width are never read: a row reads
-        only the blocks its seq_len covers."""
-        T, S = self.shape(b)
-        host = self.inputs.host()
-        host["input_ids"][:T] = input_ids
-        host["positions"][:T] = positions
-        host["slot_mapping"][:T] = slot_mapping
-        host["logits_indices"][:len(logits_indices)] = logits_indices
-        host["seq_lens"][:S] = seq_lens
-        host["query_start_loc"][:S + 1] = query_start_loc
-        host["block_tables"][:S, :block_tables.shape[1]] = block_tables
-        self.inputs.send("block_tables", self.block_tables[:S].nbytes)
-        return [self.input_ids[:T], self.positions[:T], self.slot_mapping[:T],
-                self.query_start_loc[:S + 1], self.seq_lens[:S],
-                self.block_tables[:S, :block_tables.shape[1]],
-                self.inputs.tensors["logits_indices"][:len(logits_indices)]]
+    def stage(self, b: int, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Inputs padded to bucket b by `pad`, and the logits rows -> the static tensors
+        holding them, sent in one copy (StepInputs.stage)."""
+        assert len(arrays[0]) == self.shape(b)[0]
+        return self.inputs.stage(*arrays)
 
     @torch.inference_mode()
     def replay(self, b: int, max_seq_len: int) -> torch.Tensor:

@@ -58,10 +58,10 @@ class ModelRunner:
         self._threads_set = False
         self.graphs = self.spec_graphs = self.pieces = None
         if config.cuda_graphs:
-            self.pieces = PiecewiseGraphs(model, config.token_budget, self.device)
             args = (model, self.kv_caches, config.max_num_seqs, config.ctx_len,
                     config.block_size, self.device)
             self.graphs = DecodeGraphs(*args)
+            self.pieces = PiecewiseGraphs(*args, max_tokens=config.token_budget)
             if config.speculative is not None:  # rows of 1 + their drafts
                 self.spec_graphs = DecodeGraphs(
                     *args, tokens_per_row=1 + config.speculative.num_speculative_tokens)
@@ -109,10 +109,11 @@ class ModelRunner:
         pieces = None
         if bucket is not None:  # straight into the graphs' own inputs
             sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices)
+        elif self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
+            graphs, pieces = None, self.pieces
+            sent = pieces.stage(*arrays, indices)
         else:
             graphs, sent = None, self.staging.send(*arrays, indices)
-            if self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
-                pieces = self.pieces
         (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
          logits_indices_t) = sent
         if in_flight is not None:

@@ -97,3 +97,39 @@ class StaticInputs:
         if self.on_cuda:
             self._read = torch.cuda.Event()
             self._read.record()
+
+
+class StepInputs(StaticInputs):
+    """A step's arrays where the CUDA graphs read them: the tokens' (ids, positions, slots,
+    logits rows) for up to num_tokens, the sequences' (lengths, starts, block tables) for up
+    to num_seqs; the block tables last, so a send stops at the step's rows of them."""
+
+    def __init__(self, device: torch.device | str, num_tokens: int, num_seqs: int,
+                 max_blocks: int):
+        T, S = num_tokens, num_seqs
+        super().__init__(device, [
+            ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
+            ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
+            ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
+            ("block_tables", torch.int32, (S, max_blocks))])
+
+    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+              query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+              logits_indices: np.ndarray) -> list[torch.Tensor]:
+        """The arrays -> the tensors holding them (in this order), sent in one copy. Stale
+        block-table columns past this step's width are never read: a row reads only the
+        blocks its seq_len covers."""
+        T, S = len(input_ids), len(seq_lens)
+        host, t = self.host(), self.tensors
+        host["input_ids"][:T] = input_ids
+        host["positions"][:T] = positions
+        host["slot_mapping"][:T] = slot_mapping
+        host["logits_indices"][:len(logits_indices)] = logits_indices
+        host["seq_lens"][:S] = seq_lens
+        host["query_start_loc"][:S + 1] = query_start_loc
+        host["block_tables"][:S, :block_tables.shape[1]] = block_tables
+        self.send("block_tables", t["block_tables"][:S].nbytes)
+        return [t["input_ids"][:T], t["positions"][:T], t["slot_mapping"][:T],
+                t["query_start_loc"][:S + 1], t["seq_lens"][:S],
+                t["block_tables"][:S, :block_tables.shape[1]],
+                t["logits_indices"][:len(logits_indices)]]

@@ -30,8 +30,9 @@ def step_activation_bytes(cfg: ModelConfig, config: EngineConfig, dtype_bytes: i
     split_kv = T * cfg.num_heads * partitions * (head_dim_padded + 2) * 4
     # Logits (and their fp32 copy when soft-capped), the sampler's fp32 work and int32 counts.
     sampler = S * cfg.vocab_size * (dtype_bytes + 4 + 4 + 4)
-    # The piecewise graphs hold each piece's output at every bucket (their sizes sum to
-    # under twice the largest), beside the residual stream, the final states and attention's.
+    # The piecewise graphs hold each piece's output (a layer's QKV product) at every bucket
+    # (their sizes sum to under twice the largest), beside the residual stream, the final
+    # states and attention's output.
     held = 2 * MAX_TOKENS * (cfg.num_layers * qkv + 2 * cfg.hidden_size
                              + cfg.num_heads * cfg.head_dim) * dtype_bytes \
         if config.cuda_graphs else 0

@@ -45,12 +45,13 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:  # [T, hidden]
-        """The forward as its pieces: the dense work between two attentions is one piece
-        (what engine/piecewise_graphs.py captures), attention runs between them."""
+        """The forward as its pieces: the token-wise work between two attentions is one
+        piece (what engine/piecewise_graphs.py captures), attention runs between them."""
         h = self.embed_tokens(input_ids)
         out = self.first_projection(h)
         for i, kv_cache in enumerate(kv_caches):
-            out = self.after_attention(i, h, self.attend(i, out, positions, meta, kv_cache))
+            q = self.rope_store_kv(i, out, positions, meta.slot_mapping, kv_cache)
+            out = self.after_attention(i, h, self.attend(i, q, meta, kv_cache))
         return out
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
@@ -64,10 +65,11 @@ class DecoderModel:
         return self.layers[0].qkv(self.backend.rms_norm(h, self.layers[0].attn_norm,
                                                         self.cfg.rms_norm_eps))
 
-    def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               out: torch.Tensor | None = None) -> torch.Tensor:  # [T, H * D]
-        """Layer i's attention on its QKV product (into out if given: [T, H * D])."""
+    def rope_store_kv(self, i: int, qkv: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
+                      ) -> torch.Tensor:  # [T, H, D]: q, a view of qkv
+        """Layer i's QKV product: q and k normalised (QK-norm) and rotated, k and v stored
+        through the slot mapping -> q."""
         cfg, layer = self.cfg, self.layers[i]
         T, H, KVH = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads
         # Views into the one product: [T, heads, head_dim] each, tokens qkv's rows apart
@@ -75,8 +77,17 @@ class DecoderModel:
         q, k, v = qkv.view(T, H + 2 * KVH, cfg.head_dim).split((H, KVH, KVH), dim=1)
         qk_norm = (layer.q_norm, layer.k_norm, cfg.rms_norm_eps) \
             if layer.q_norm is not None else None
-        return self.backend.attention(q, k, v, kv_cache, meta, positions, layer.rope,
-                                      cfg.attn_scale, layer.sliding_window, qk_norm, out)
+        self.backend.rope_store_kv(q, k, v, kv_cache, slot_mapping, positions, layer.rope,
+                                   qk_norm)
+        return q
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
+               ) -> torch.Tensor:  # [T, H * D]
+        """Layer i's attention (into out if given: [T, H * D])."""
+        layer = self.layers[i]
+        return self.backend.attention(q, kv_cache, meta, self.cfg.attn_scale,
+                                      layer.sliding_window, out)
 
     def after_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer i from its attention's output on: the next layer's QKV product, or the last

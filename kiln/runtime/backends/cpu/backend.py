@@ -242,23 +242,19 @@ class CpuBackend:
                               ACTIVATIONS[activation], out.data_ptr(), F2 // 2, self.threads)
         return out
 
-    def attention(
+    def rope_store_kv(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim] view, heads contiguous
         k: torch.Tensor,  # [T, num_kv_heads, head_dim] view
         v: torch.Tensor,  # [T, num_kv_heads, head_dim] view
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        slot_mapping: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         rope: RopeTable,
-        scale: float,
-        sliding_window: int,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q w, k w, eps)
-        out: torch.Tensor | None = None,  # [T, num_heads * head_dim], contiguous
-    ) -> torch.Tensor:  # [T, num_heads * head_dim]: out if given
-        """Normalise each head of q and k (QK-norm) and rotate them (RoPE) in place, store this
-        step's K/V through the slot mapping, then attend over the paged cache. The
-        metadata's dtypes (int32 tables and lengths, int64 slots) are the runner's."""
+    ) -> None:
+        """Normalise each head of q and k (QK-norm) and rotate them (RoPE) in place, then
+        store this step's K/V through the slot mapping (-1: nowhere)."""
         if qk_norm is not None:
             self.rms_norm_heads_(q, qk_norm[0], qk_norm[2])
             self.rms_norm_heads_(k, qk_norm[1], qk_norm[2])
@@ -277,8 +273,23 @@ class CpuBackend:
             self.rope_(k, positions, rope)
         assert q.stride(1) == k.stride(1) == v.stride(1) == D and v.stride(2) == 1
         self.lib.kiln_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                               meta.slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
+                               slot_mapping.data_ptr(), T, KVH, D, key_cache.data_ptr(),
                                value_cache.data_ptr(), self.kv_fp16)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim] view, heads contiguous
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int,
+        out: torch.Tensor | None = None,  # [T, num_heads * head_dim], contiguous
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]: out if given
+        """Attend over the paged cache. The metadata's dtypes (int32 tables and lengths) are
+        the runner's."""
+        key_cache, value_cache = kv_cache
+        T, H, D = q.shape
+        KVH = key_cache.shape[1]  # [blocks, kv heads, head_dim, block] (kv_cache)
         if out is None:
             out = self._output("attention", T, H * D)
         assert out.shape == (T, H * D) and out.is_contiguous()
