@@ -14,7 +14,8 @@ context: compare the rows of one batch size. The first column (host) is timed in
 its own: the phases' timers cost ~0.5 us a call, and two phases are called once a row. The
 second is the same steps with --async-scheduling: the same work in another order (each
 step's tokens read after the next step is launched), which a GPU would run beside its
-forward instead of before it.
+forward instead of before it. The third (mixed) is a step that brings a new 100-token prompt
+beside the batch's decode rows: the step after every arrival.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class Timers:
                 setattr(owner, name, before)
 
 
-PHASES = ("host", "host (async)", "schedule", "prepare inputs", "sampler metadata", "take tokens",
-          "fetch samples", "update (prefix cache)", "outputs", "rest")
+PHASES = ("host", "host (async)", "host (mixed)", "schedule", "prepare inputs",
+          "sampler metadata", "take tokens", "fetch samples", "update (prefix cache)",
+          "outputs", "rest")
 
 
 def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, float]:
@@ -165,9 +167,27 @@ def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, 
         total = time.perf_counter() - t0
     out = {k: v / steps * 1000 for k, v in timers.seconds.items()}
     wrapped = total / steps * 1000 - out.pop("sampler (device work)", 0.0)
-    out["rest"] = wrapped - sum(out.get(k, 0.0) for k in PHASES[2:-1])  # and the timers' cost
+    out["rest"] = wrapped - sum(out.get(k, 0.0) for k in PHASES[3:-1])  # and the timers' cost
     out["host"], out["host (async)"] = host[False] * 1000, host[True] * 1000
+    out["host (mixed)"] = mixed_step_ms(engine, rng, params, steps)
     return out
+
+
+def mixed_step_ms(engine: LLMEngine, rng, params: SamplingParams, steps: int) -> float:
+    """The host's part of a step that brings a 100-token prompt beside the batch (the step
+    after every arrival: its rows take the general path, a prompt chunk among decode rows);
+    the prompt's one token ends its reply."""
+    seconds = 0.0
+    with Timers() as timers:
+        timers.wrap(sampler_module, "sample_ref", "sampler (device work)")
+        for i in range(steps):
+            engine.add_request(engine.make_request(f"m{i}", EngineRequest(
+                rng.integers(0, VOCAB, 100).tolist(), params,
+                RequestOptions(max_tokens=1, ignore_eos=True))))
+            t0 = time.perf_counter()
+            engine.step()
+            seconds += time.perf_counter() - t0
+    return (seconds - timers.seconds["sampler (device work)"]) / steps * 1000
 
 
 def main() -> None:

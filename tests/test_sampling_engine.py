@@ -96,8 +96,8 @@ def _raw_logprobs(smollm2, ids, start):
     """log_softmax of the model's raw logits for each of ids[start:], by one prefill."""
     model, cfg = smollm2.model, smollm2.config
     nb = -(-len(ids) // 16)
-    kv = [(torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim),
-           torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    kv = [model.backend.kv_cache(nb, 16, cfg.num_kv_heads, cfg.head_dim)
+          for _ in range(cfg.num_layers)]
     T = len(ids)
     meta = AttentionMetadata(torch.tensor([0, T], dtype=torch.int32),
                              torch.tensor([T], dtype=torch.int32),

@@ -289,7 +289,8 @@ class CpuBackend:
         the runner's."""
         key_cache, value_cache = kv_cache
         T, H, D = q.shape
-        KVH = key_cache.shape[1]  # [blocks, kv heads, head_dim, block] (kv_cache)
+        KVH = key_cache.shape[1]
+        assert key_cache.shape[2] == D, "not this backend's layout (kv_cache)"
         if out is None:
             out = self._output("attention", T, H * D)
         assert out.shape == (T, H * D) and out.is_contiguous()
