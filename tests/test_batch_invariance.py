@@ -7,7 +7,9 @@ torch's CPU GEMMs, like cuBLAS, round a row by its batch."""
 import itertools
 
 import pytest
+import torch
 from conftest import make_request, run_with_logprobs
+from test_kernel_count import KernelCount
 from tiny_gguf import llama_metadata, llama_tensors, write_gguf
 
 from kiln.runtime.backends.dense import DenseBackend
@@ -66,6 +68,8 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
     pieces, steps = graphs.runner.pieces, []  # the piecewise graphs' steps: their tokens
     forward = pieces.forward
     pieces.forward = lambda ids, *args: steps.append(len(ids)) or forward(ids, *args)
+    replays, replay = [], graphs.runner.graphs.replay  # (top logprobs and a penalty asked)
+    graphs.runner.graphs.replay = lambda *args: replays.append(args[2]) or replay(*args)
     reqs = _requests(graphs, "g")[1:]
     out = {r.request_id: [] for r in reqs}
     for req in reqs[1:]:  # prefilled through the pieces, decoded in the graphs ...
@@ -79,6 +83,7 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
             out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
     assert graphs.kv.block_pool.get_num_free_blocks() == graphs.config.num_blocks
     assert steps[:2] == [43, 95], steps
+    assert replays and not any(replays), replays  # no decode step sampled in the graphs
     in_graphs = {int(rid[1:]): tokens for rid, tokens in out.items()}
     assert all(len(v) == 3 for v in batched.values())
     assert cached == batched and cold == batched
@@ -108,3 +113,47 @@ def test_async_steps_through_the_graphs_give_the_synchronous_bits(model):
     assert any(c is None for c in copies) and \
         any(c is not None and c.tolist() == [0, 2] for c in copies), copies
     assert got[True] == got[False]
+
+
+def test_plain_rows_are_sampled_inside_the_decode_graphs(model):
+    """Rows asking for no penalty, bias, grammar or top logprobs (greedy, seeded, top_k and
+    top_p; the token's own logprob) take the graphs captured with the sampler: a decode step
+    launches no sampler of its own, synchronously and with --async-scheduling (the in-flight
+    tokens read from the graph's samples), and every token id and logprob is the eager
+    engine's. (Rows with more: the test above, where no replay samples.)"""
+    def requests(engine, tag):
+        specs = (([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 5),
+                 (list(range(100, 130)), SamplingParams(temperature=0.0), 3),  # leaves first
+                 (list(range(200, 220)), SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
+                                                        seed=11), 5))
+        return [make_request(engine, f"{tag}{i}", p, sp, max_tokens=n, logprobs=0,
+                             ignore_eos=True) for i, (p, sp, n) in enumerate(specs)]
+
+    eager = _engine(model)
+    want = _run(eager, requests(eager, "e"))
+    engine = _engine(model, graphs=True)
+    graphs, replays, eager_samples = engine.runner.graphs, [], []
+    replay, run = graphs.replay, engine.sampler.run
+    graphs.replay = lambda b, n, sampled: replays.append((b, sampled)) or replay(b, n, sampled)
+    engine.sampler.run = lambda *args: eager_samples.append(1) or run(*args)
+    for overlap in (False, True):
+        engine.async_scheduling = overlap
+        replays.clear()
+        eager_samples.clear()
+        assert _run(engine, requests(engine, "g")) == want, overlap
+        # buckets of 4 (a padding row) and 2; the prefill's step alone samples eagerly
+        assert {b for b, _ in replays} == {4, 2} and all(s for _, s in replays), replays
+        assert len(eager_samples) == 1, eager_samples
+    # What the host launches for such a decode step: the inputs' copy, the replay, the
+    # samples' packing for their one copy out (the forward and the sampler: in the graph).
+    engine.async_scheduling = False  # (else a copy more: the tokens in flight to the inputs)
+    for req in requests(engine, "k")[:2]:
+        engine.add_request(req)
+    engine.step()  # the prefill
+    with torch.inference_mode(), KernelCount() as count:
+        graphs.replay = count.as_one_launch(graphs.replay, "graph replay")
+        engine.step()
+    assert dict(count.launches) == {"torch copy_": 1, "graph replay": 1, "torch cat": 1}, \
+        count.launches
+    while engine.has_unfinished():
+        engine.step()

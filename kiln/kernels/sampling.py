@@ -65,8 +65,10 @@ def tile_warps(tile: int) -> int:
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: bool = False,
-           tile: int | None = None, warps: int | None = None) -> SamplerOutput:
-    """Fused sampler over vocabulary tiles. See the module docstring."""
+           tile: int | None = None, warps: int | None = None,
+           out: SamplerOutput | None = None) -> SamplerOutput:
+    """Fused sampler over vocabulary tiles. See the module docstring. out: where to write
+    the tokens and logprobs (a CUDA graph's buffers that outlive its memory pool)."""
     check_inputs(logits, metadata)
     md = metadata
     B, V = logits.shape
@@ -76,8 +78,15 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata, return_processed: b
     warps = warps or tile_warps(tile)
     T = triton.cdiv(V, tile)
     i32, f32 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.float32, device=dev)
-    token_ids, top_ids = (torch.empty(B, *n, dtype=torch.int64, device=dev) for n in ((), (N,)))
-    logprobs, top_lps = (torch.empty(B, *n, **f32) for n in ((), (N,)))
+    if out is None:
+        token_ids, top_ids = (torch.empty(B, *n, dtype=torch.int64, device=dev)
+                              for n in ((), (N,)))
+        logprobs, top_lps = (torch.empty(B, *n, **f32) for n in ((), (N,)))
+    else:
+        token_ids, logprobs, top_ids, top_lps = \
+            out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs
+        assert token_ids.shape == logprobs.shape == (B,) and top_ids.shape == (B, N)
+        assert top_lps.shape == (B, N) and token_ids.dtype == top_ids.dtype == torch.int64
     processed = torch.empty(B, V, **f32) if return_processed else logits
     work, counts = logits, logits  # unused placeholders without penalties
     if md.has_penalties:

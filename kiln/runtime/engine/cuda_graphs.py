@@ -19,8 +19,17 @@ Two families, by the tokens a row brings:
   each, the last taking the rest: there is always a last, the one token past b * (1 + k)),
   so the launch's shape (tokens, sequences) is the bucket's whatever the drafts.
 
-Off the GPU (the tests) `replay` runs the same padded forward eagerly, so the bucketing, the
-padding and the static inputs are tested without CUDA.
+Plain decode buckets are captured twice more where `sample` is asked: with the fused
+sampler (kernels/sampling.py) after the LM head, on the bucket's rows, its nine per-row
+columns staged with the step's inputs (padding rows greedy, every filter off). A step whose
+rows ask for nothing else - no penalty window, logit_bias, grammar or top logprobs, most
+steps - then launches one graph, not a graph and the sampler's four kernels and their
+allocations; the others replay the forward alone and sample eagerly. The same kernels on the
+same rows: a row's token and logprobs are the same bits either way (a row's sampling never
+reads another row's).
+
+Off the GPU (the tests) `replay` runs the same padded forward (and sampler) eagerly, so the
+bucketing, the padding and the static inputs are tested without CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ import numpy as np
 import torch
 
 from kiln.kernels.attention import PARTITION_SIZE
-from kiln.runtime.engine.staging import StepInputs
+from kiln.kernels.sampling import sample
+from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata
+from kiln.runtime.engine.staging import SAMPLER_FIELDS, StepInputs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -43,14 +54,16 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, ctx_len: int, block_size: int,
-                 device: torch.device, tokens_per_row: int = 1):
+                 device: torch.device, tokens_per_row: int = 1, sample: bool = False):
+        """sample: plain decode buckets captured with the sampler too (the Triton path)."""
         self.model, self.kv_caches, self.ctx_len = model, kv_caches, ctx_len
         self.tokens_per_row = tokens_per_row
+        self.sample = sample and tokens_per_row == 1
         self.sizes = bucket_sizes(max_num_seqs)
         T, S = self.shape(self.sizes[-1])
         max_blocks = -(-ctx_len // block_size)
         # One set of static inputs at the largest bucket (bucket b uses the first rows).
-        self.inputs = StepInputs(device, T, S, max_blocks)
+        self.inputs = StepInputs(device, T, S, max_blocks, sampler_columns=self.sample)
         t = self.inputs.tensors
         self.input_ids, self.positions, self.slot_mapping = \
             t["input_ids"], t["positions"], t["slot_mapping"]
@@ -61,8 +74,17 @@ class DecodeGraphs:
         self.query_start_loc.copy_(torch.arange(S + 1, dtype=torch.int32))
         # The contexts a capture covers: one partition, and the whole context where longer.
         self.spans = sorted({min(ctx_len, PARTITION_SIZE), ctx_len})
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, span)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.variants = (False, True) if self.sample else (False,)  # with the sampler
+        # The samples' buffers, outside the graphs' pool: a row's token in flight
+        # (--async-scheduling) is read into the next step's penalty window after that step's
+        # replay, which may write over the pool's memory (capture's docstring).
+        i64, f32 = (dict(dtype=dt, device=device) for dt in (torch.int64, torch.float32))
+        self.samples = SamplerOutput(torch.zeros(S, **i64), torch.zeros(S, **f32),
+                                     torch.zeros(S, 0, **i64), torch.zeros(S, 0, **f32))
+        # (bucket, span, with the sampler) -> graph, and its logits and samples
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool],
+                           tuple[torch.Tensor, SamplerOutput | None]] = {}
 
     def shape(self, b: int) -> tuple[int, int]:
         """(tokens, sequences) of bucket b's launch."""
@@ -96,7 +118,17 @@ class DecodeGraphs:
         """The capture a step whose longest row has max_seq_len positions replays."""
         return next(s for s in self.spans if s >= max_seq_len)
 
-    def _forward(self, b: int, span: int) -> torch.Tensor:  # [tokens or b, vocab] logits
+    def _sampling(self, b: int) -> SamplingMetadata:
+        """The sampler's view of bucket b's staged columns: no optional column, every
+        kernel launched (greedy rows are settled in the second, whatever the batch)."""
+        columns = [self.inputs.tensors[name][:b] for name, _, _ in SAMPLER_FIELDS]
+        return SamplingMetadata(*columns[:7], window_token_ids=None, seeds=columns[7],
+                                offsets=columns[8], grammar_bitmask=None,
+                                flags=(True, True, True, False))
+
+    def _forward(self, b: int, span: int, sampled: bool = False
+                 ) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """[tokens or b, vocab] logits, and where sampled the bucket's rows' samples."""
         T, S = self.shape(b)
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:S + 1], seq_lens=self.seq_lens[:S],
@@ -104,37 +136,50 @@ class DecodeGraphs:
             max_query_len=T - S + 1, max_seq_len=span)
         hidden = self.model.forward(self.input_ids[:T], self.positions[:T], meta,
                                     self.kv_caches)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if not sampled:
+            return logits, None
+        return logits, sample(logits, self._sampling(b), out=SamplerOutput(
+            *(t[:b] for t in (self.samples.token_ids, self.samples.logprobs,
+                              self.samples.top_token_ids, self.samples.top_logprobs))))
 
     @torch.inference_mode()
     def capture(self, pool=None):
         """Largest bucket first, all in one memory pool (a smaller graph reuses its memory;
-        pool: another family's, shared) -> the pool."""
+        pool: another family's, shared) -> the pool. A graph's intermediates may lie where
+        a graph captured after it holds its logits: read before the next replay, so safe;
+        the samples, which a step may read after the next one's replay, are not the pool's."""
         for b in reversed(self.sizes):
             for span in reversed(self.spans):
-                self._forward(b, span)  # eagerly first: lazy initialisations stay out
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[b, span] = self._forward(b, span)
-                pool = graph.pool()
-                self.graphs[b, span] = graph
+                for sampled in self.variants:
+                    self._forward(b, span, sampled)  # eagerly first: lazy initialisations
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[b, span, sampled] = self._forward(b, span, sampled)
+                    pool = graph.pool()
+                    self.graphs[b, span, sampled] = graph
         return pool
 
-    def stage(self, b: int, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Inputs padded to bucket b by `pad`, and the logits rows -> the static tensors
-        holding them, sent in one copy (StepInputs.stage)."""
+    def stage(self, b: int, *arrays: np.ndarray,
+              sampler_columns: list[np.ndarray] | None = None) -> list[torch.Tensor]:
+        """Inputs padded to bucket b by `pad`, the logits rows, and where the step samples
+        in the graph its rows' sampler columns -> the static tensors holding them, sent in
+        one copy (StepInputs.stage)."""
         assert len(arrays[0]) == self.shape(b)[0]
-        return self.inputs.stage(*arrays)
+        assert sampler_columns is None or self.sample
+        return self.inputs.stage(*arrays, sampler_columns=sampler_columns, sampler_rows=b)
 
     @torch.inference_mode()
-    def replay(self, b: int, max_seq_len: int) -> torch.Tensor:
+    def replay(self, b: int, max_seq_len: int, sampled: bool = False
+               ) -> tuple[torch.Tensor, SamplerOutput | None]:
         """Bucket b's capture for contexts up to max_seq_len, on the inputs `stage` sent ->
-        logits of its rows (plain decode) or of its tokens (with drafts): a static buffer,
-        valid until the next replay."""
+        logits of its rows (plain decode) or of its tokens (with drafts), and where sampled
+        (the columns staged) its rows' samples: static buffers, valid until the next
+        replay."""
         span = self.span(max_seq_len)
-        graph = self.graphs.get((b, span))
+        graph = self.graphs.get((b, span, sampled))
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            return self._forward(b, span)
+            return self._forward(b, span, sampled)
         graph.replay()
-        return self.outputs[b, span]
+        return self.outputs[b, span, sampled]

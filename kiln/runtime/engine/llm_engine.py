@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.kernels.sampling_metadata import SamplerOutput
 from kiln.kernels.warmup import KernelShapes, warmup_launches
 from kiln.runtime.drafting.drafter import make_drafter
 from kiln.runtime.drafting.pace import DraftPace
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.engine_request import EngineRequest, check_fits
-from kiln.runtime.engine.model_runner import ModelRunner
+from kiln.runtime.engine.model_runner import ModelInput, ModelRunner
 from kiln.runtime.engine.reply_tails import ReplyTails
 from kiln.runtime.engine.request import InFlightTokens, Request, RequestOutput, RequestStatus
 from kiln.runtime.engine.scheduler import Scheduler
@@ -84,7 +85,8 @@ class LLMEngine:
             for graphs in (runner.graphs, runner.spec_graphs):
                 if graphs is not None:
                     pool = graphs.capture(pool)
-            drafts = " (and with drafts)" if runner.spec_graphs is not None else ""
+            drafts = " (with the sampler, and with drafts)" if runner.spec_graphs is not None \
+                else " (with the sampler)"
             log.info("[kiln]  Captured CUDA graphs in %.1f s: decode%s for batch sizes %s, "
                      "the pieces between attentions for steps of up to %s tokens",
                      time.perf_counter() - t1, drafts, ",".join(map(str, runner.graphs.sizes)),
@@ -156,13 +158,19 @@ class LLMEngine:
                     and req.sampling.seed is None and req.sampling.has_penalties:
                 req.window_prefix = self.reply_tails.lookup(req.prompt_token_ids,
                                                             req.num_cached_tokens)
-        inp = self.runner.prepare(sched.scheduled, landing and landing.tokens)
-        logits = self.runner.execute(inp)
+        in_flight = landing and landing.tokens
+        # The sampler's columns may be built with the inputs (a decode graph then samples
+        # too) where the host learns nothing before sampling that changes them: no step is
+        # in flight, or this one samples before reading it as well.
+        early = landing is None or (self.async_scheduling and all(
+            req.samples_ahead for req, _ in sched.scheduled))
+        inp = self.runner.prepare(sched.scheduled, in_flight, self.sampler if early else None)
+        logits, samples = self.runner.execute(inp)
         reqs = inp.sampling_requests
         if logits is None or (self.async_scheduling and len(logits) == len(reqs)
                               and all(req.samples_ahead for req in reqs)):
             if logits is not None:  # launch the sampler, read its tokens next step
-                out = self.sampler(logits, reqs, landing and landing.tokens)
+                out = samples if samples is not None else self._sample(logits, inp, in_flight)
                 self.in_flight = InFlight(reqs, InFlightTokens(out.token_ids, reqs),
                                           self.sampler.copy_out(out))
                 for req in reqs:
@@ -187,7 +195,8 @@ class LLMEngine:
         sampled = []  # (request, token, logprob entry)
         if sample_reqs:
             # The step's one device sync (with drafts, its second: raw_choices reads first).
-            out = self.sampler.fetch(self.sampler(rows, sample_reqs))
+            out = self.sampler.fetch(samples if samples is not None else
+                                     self._sample(rows, inp, None, sample_reqs))
             sampled = list(zip(sample_reqs, out.token_ids, to_token_logprobs(out, sample_reqs)))
             if any(o.finished for o in landed):  # (ended by the token just read)
                 sampled = [row for row in sampled if not row[0].is_finished]
@@ -203,6 +212,15 @@ class LLMEngine:
             tokens.append(token)
             logprobs.append(lp)
         return [self._output(req, *new[req]) for req in reqs]
+
+    def _sample(self, logits: torch.Tensor, inp: ModelInput, in_flight: InFlightTokens | None,
+                requests: list[Request] | None = None) -> SamplerOutput:
+        """The step's rows (or these requests' rows) sampled eagerly, with the columns built
+        with the inputs where they were."""
+        if inp.sampler_columns is not None:
+            return self.sampler.run(logits, inp.sampler_columns)
+        return self.sampler(logits, inp.sampling_requests if requests is None else requests,
+                            in_flight)
 
     def _land(self, step: InFlight | None) -> list[RequestOutput]:
         """Read an earlier step's tokens (waiting for its sampler, not for what was queued

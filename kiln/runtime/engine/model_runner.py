@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kiln.kernels.sampling_metadata import SamplerOutput
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.cuda_graphs import DecodeGraphs
 from kiln.runtime.engine.piecewise_graphs import PiecewiseGraphs
@@ -17,7 +18,7 @@ from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
-from kiln.runtime.sampling.sampler import cpu_draw_for, raw_logprobs
+from kiln.runtime.sampling.sampler import Sampler, SamplerColumns, cpu_draw_for, raw_logprobs
 
 
 @dataclass
@@ -33,6 +34,10 @@ class ModelInput:
     graphs: DecodeGraphs | None = None  # a decode (with drafts or not) through these ...
     graph_bucket: int | None = None  # ... padded to this bucket
     pieces: PiecewiseGraphs | None = None  # any other step through these, if it fits
+    # The sampler's columns where built with the inputs (a decode bucket), and whether the
+    # graph samples with them (they are plain)
+    sampler_columns: SamplerColumns | None = None
+    sampled_in_graph: bool = False
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -60,18 +65,22 @@ class ModelRunner:
         if config.cuda_graphs:
             args = (model, self.kv_caches, config.max_num_seqs, config.ctx_len,
                     config.block_size, self.device)
-            self.graphs = DecodeGraphs(*args)
+            self.graphs = DecodeGraphs(*args, sample=config.use_triton)
             self.pieces = PiecewiseGraphs(*args, max_tokens=config.token_budget)
             if config.speculative is not None:  # rows of 1 + their drafts
                 self.spec_graphs = DecodeGraphs(
                     *args, tokens_per_row=1 + config.speculative.num_speculative_tokens)
 
     def prepare(self, scheduled: list[tuple[Request, int]],
-                in_flight: InFlightTokens | None = None) -> ModelInput:
+                in_flight: InFlightTokens | None = None,
+                sampler: Sampler | None = None) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
         contexts: positions, slots and lengths by numpy over the whole step, block tables
         in one gather of the KV manager's rows. A row whose last token is still in flight
-        (--async-scheduling) takes it from the device, where the last step sampled it."""
+        (--async-scheduling) takes it from the device, where the last step sampled it.
+        sampler: given where this step's rows may be sampled with what the host knows now
+        (the engine's call): a decode through graphs that sample builds its columns here
+        and, where plain, stages them with the inputs."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
         reqs = [req for req, _ in scheduled]
@@ -106,9 +115,13 @@ class ModelRunner:
                 bucket = graphs.bucket(num_seqs)
         arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         indices = np.array(logits_indices, dtype=np.int64)
-        pieces = None
+        pieces = columns = None
         if bucket is not None:  # straight into the graphs' own inputs
-            sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices)
+            if sampler is not None and graphs.sample:
+                columns = sampler.columns(reqs, self.model_config.vocab_size, in_flight)
+            plain = columns is not None and columns.plain
+            sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices,
+                                sampler_columns=columns.columns if plain else None)
         elif self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
             graphs, pieces = None, self.pieces
             sent = pieces.stage(*arrays, indices)
@@ -124,7 +137,9 @@ class ModelRunner:
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
-                          pieces=pieces, prompt_logprob_rows=prompt_rows)
+                          pieces=pieces, prompt_logprob_rows=prompt_rows,
+                          sampler_columns=columns,
+                          sampled_in_graph=columns is not None and columns.plain)
 
     def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
                           ends: np.ndarray, in_flight: InFlightTokens) -> None:
@@ -170,25 +185,31 @@ class ModelRunner:
         return input_ids, logits_indices, sampling_requests, num_logits_rows, prompt_rows
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor | None:
-        """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None."""
+    def execute(self, inp: ModelInput) -> tuple[torch.Tensor | None, SamplerOutput | None]:
+        """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None;
+        and their samples where the graph drew them (`ModelInput.sampled_in_graph`)."""
         if not self._threads_set:  # from the thread that steps: see CpuBackend.torch_threads
             if self.model.backend.torch_threads:
                 torch.set_num_threads(self.model.backend.torch_threads)
             self._threads_set = True
         if inp.graphs is not None:  # a decode: every row samples, in order
-            logits = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len)
+            logits, samples = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len,
+                                                inp.sampled_in_graph)
+            n = len(inp.sampling_requests)
+            if samples is not None:
+                samples = SamplerOutput(samples.token_ids[:n], samples.logprobs[:n],
+                                        samples.top_token_ids[:n], samples.top_logprobs[:n])
             if inp.graphs.tokens_per_row == 1:
-                return logits[:len(inp.sampling_requests)]
-            return logits[inp.logits_indices]  # each row's tokens, drafts and all
+                return logits[:n], samples
+            return logits[inp.logits_indices], None  # each row's tokens, drafts and all
         forward = self.model.forward if inp.pieces is None else inp.pieces.forward
         hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         for req, row, lo, hi in inp.prompt_logprob_rows:
             req.prompt_logprob_entries += self._prompt_logprobs(hidden[row:row + hi - lo],
                                                                 req, lo, hi)
         if not inp.sampling_requests:
-            return None
-        return self.model.compute_logits(hidden[inp.logits_indices])
+            return None, None
+        return self.model.compute_logits(hidden[inp.logits_indices]), None
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, lo: int, hi: int
                          ) -> list[TokenLogprob]:

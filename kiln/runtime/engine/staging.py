@@ -99,26 +99,41 @@ class StaticInputs:
             self._read.record()
 
 
+# The sampler's per-row columns (Sampler.columns' first nine), and what a row that samples
+# nothing takes: greedy, every filter and penalty off.
+SAMPLER_FIELDS = (("temperature", torch.float32, 0.0), ("top_k", torch.int32, 0),
+                  ("top_p", torch.float32, 1.0), ("min_p", torch.float32, 0.0),
+                  ("repetition_penalty", torch.float32, 1.0),
+                  ("frequency_penalty", torch.float32, 0.0),
+                  ("presence_penalty", torch.float32, 0.0), ("seeds", torch.int64, 0),
+                  ("offsets", torch.int64, 0))
+
+
 class StepInputs(StaticInputs):
     """A step's arrays where the CUDA graphs read them: the tokens' (ids, positions, slots,
-    logits rows) for up to num_tokens, the sequences' (lengths, starts, block tables) for up
-    to num_seqs; the block tables last, so a send stops at the step's rows of them."""
+    logits rows) for up to num_tokens, the sequences' (lengths, starts, the sampler's
+    columns where asked, block tables) for up to num_seqs; the block tables last, so a send
+    stops at the step's rows of them."""
 
     def __init__(self, device: torch.device | str, num_tokens: int, num_seqs: int,
-                 max_blocks: int):
+                 max_blocks: int, sampler_columns: bool = False):
         T, S = num_tokens, num_seqs
+        sampler = SAMPLER_FIELDS if sampler_columns else ()
         super().__init__(device, [
             ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
             ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
             ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
+            *[(name, dtype, (S,)) for name, dtype, _ in sampler],
             ("block_tables", torch.int32, (S, max_blocks))])
 
     def stage(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
               query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-              logits_indices: np.ndarray) -> list[torch.Tensor]:
+              logits_indices: np.ndarray, sampler_columns: list[np.ndarray] | None = None,
+              sampler_rows: int = 0) -> list[torch.Tensor]:
         """The arrays -> the tensors holding them (in this order), sent in one copy. Stale
         block-table columns past this step's width are never read: a row reads only the
-        blocks its seq_len covers."""
+        blocks its seq_len covers. sampler_columns: the step's rows' columns, the rows after
+        them up to sampler_rows sampling nothing."""
         T, S = len(input_ids), len(seq_lens)
         host, t = self.host(), self.tensors
         host["input_ids"][:T] = input_ids
@@ -127,6 +142,11 @@ class StepInputs(StaticInputs):
         host["logits_indices"][:len(logits_indices)] = logits_indices
         host["seq_lens"][:S] = seq_lens
         host["query_start_loc"][:S + 1] = query_start_loc
+        if sampler_columns is not None:
+            n = len(sampler_columns[0])
+            for (name, _, idle), column in zip(SAMPLER_FIELDS, sampler_columns, strict=True):
+                host[name][:n] = column
+                host[name][n:sampler_rows] = idle
         host["block_tables"][:S, :block_tables.shape[1]] = block_tables
         self.send("block_tables", t["block_tables"][:S].nbytes)
         return [t["input_ids"][:T], t["positions"][:T], t["slot_mapping"][:T],

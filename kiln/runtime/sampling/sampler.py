@@ -40,12 +40,17 @@ class Sampler:
 
     def build_metadata(self, requests: list[Request], vocab_size: int,
                        in_flight: InFlightTokens | None = None) -> SamplingMetadata:
-        """Every column built on the host and sent in one copy; the batch flags come from
-        the host-side settings, so nothing here waits for the device. The rows' settings and
-        windows are carried from the last step (SamplerRows); what is worked out each step
-        is the server's draws, seeded rows' offsets, biases and grammar masks. A penalty
-        window whose newest token is still in flight takes it on the device, in the ring
-        column the host puts it in once read."""
+        """The step's metadata on the device: `columns`, then `send`."""
+        return self.send(self.columns(requests, vocab_size, in_flight))
+
+    def columns(self, requests: list[Request], vocab_size: int,
+                in_flight: InFlightTokens | None = None) -> SamplerColumns:
+        """Every column built on the host; the batch flags come from the host-side settings,
+        so nothing here waits for the device. The rows' settings and windows are carried
+        from the last step (SamplerRows); what is worked out each step is the server's
+        draws, seeded rows' offsets, biases and grammar masks. A penalty window whose newest
+        token is still in flight takes it on the device, in the ring column the host puts it
+        in once read (`send`). Built once a step: the server's stream moves on."""
         rows, n = self.rows, len(requests)
         rows.update(requests)
         fills = rows.in_flight_columns(in_flight.rows_of(requests)) \
@@ -93,18 +98,22 @@ class Sampler:
         if fills is not None and len(fills[0]):
             optional["fills"] = len(columns)
             columns += fills
-        sent = self.staging.send(*columns)
+        return SamplerColumns(columns, optional, rows.num_top, rows.batch_flags, in_flight)
+
+    def send(self, cols: SamplerColumns) -> SamplingMetadata:
+        """The columns on the device, in one copy."""
+        sent, optional = self.staging.send(*cols.columns), cols.optional
         if "fills" in optional:
             i, c, src = sent[optional["fills"]:optional["fills"] + 3]
-            sent[optional["window"]][i, c] = in_flight.token_ids[src]
+            sent[optional["window"]][i, c] = cols.in_flight.token_ids[src]
 
         def get(name: str, offset: int = 0):
             return sent[optional[name] + offset] if name in optional else None
 
         return SamplingMetadata(
             *sent[:7], window_token_ids=get("window"), seeds=sent[7], offsets=sent[8],
-            grammar_bitmask=get("bitmask"), num_top_logprobs=rows.num_top,
-            flags=rows.batch_flags, bias_token_ids=get("bias"), bias_values=get("bias", 1))
+            grammar_bitmask=get("bitmask"), num_top_logprobs=cols.num_top,
+            flags=cols.flags, bias_token_ids=get("bias"), bias_values=get("bias", 1))
 
     def draft_logprobs(self, logits: torch.Tensor, rows: list[int], token_ids: list[int],
                        num_top: int) -> list[TokenLogprob]:
@@ -152,7 +161,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  in_flight: InFlightTokens | None = None) -> SamplerOutput:
-        meta = self.build_metadata(requests, logits.shape[-1], in_flight)
+        return self.run(logits, self.columns(requests, logits.shape[-1], in_flight))
+
+    def run(self, logits: torch.Tensor, cols: SamplerColumns) -> SamplerOutput:
+        """The fused sampler (or its reference) on columns built for these rows."""
+        meta = self.send(cols)
         if self.use_triton:
             return sample(logits, meta)
         return sample_ref(logits, meta, cpu=self.cpu_draw)
@@ -213,6 +226,23 @@ def _row_bias(req: Request) -> dict[int, float] | None:
     for token in banned:
         bias[token] = float("-inf")
     return bias
+
+
+@dataclass
+class SamplerColumns:
+    """A step's sampling columns on the host, in SamplingMetadata's order: temperature, top_k,
+    top_p, min_p, the three penalties, seeds, offsets; then the optional ones."""
+
+    columns: list[np.ndarray]
+    optional: dict[str, int]  # "window", "bias" (ids, values), "bitmask", "fills" -> index
+    num_top: int
+    flags: tuple[bool, bool, bool, bool]
+    in_flight: InFlightTokens | None  # where the fills' tokens are
+
+    @property
+    def plain(self) -> bool:
+        """Nothing past the nine per-row values: what the decode graphs' sampler takes."""
+        return not self.optional and self.num_top == 0
 
 
 @dataclass
