@@ -123,7 +123,8 @@ def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, 
 
     def execute(inp):  # the device's part: nothing here
         forward["steps"] += 1
-        return logits[:len(inp.sampling_requests)] if inp.sampling_requests else None
+        n = len(inp.sampling_requests)
+        return (logits[:n] if n else None), None  # (no graph samples here)
     engine.runner.execute = execute
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1)
@@ -155,7 +156,8 @@ def run(loaded: LoadedModel, batch: int, context: int, steps: int) -> dict[str, 
     with Timers() as timers:
         timers.wrap(engine.scheduler, "schedule", "schedule")
         timers.wrap(engine.runner, "prepare", "prepare inputs")
-        timers.wrap(engine.sampler, "build_metadata", "sampler metadata")
+        timers.wrap(engine.sampler, "columns", "sampler metadata")
+        timers.wrap(engine.sampler, "send", "sampler metadata")
         timers.wrap(engine.scheduler, "update_after_step", "update (prefix cache)")
         timers.wrap(sampler_module, "sample_ref", "sampler (device work)")
         timers.wrap(engine.sampler, "fetch", "fetch samples")

@@ -28,7 +28,7 @@ class SamplingParams:
     seed: int | None = None  # never sticky: only the request that sent it
     think: bool | None = None  # None = the template's own default
     reasoning_effort: str | None = None
-    # Read for every row of every step (Sampler.build_metadata), so worked out once here:
+    # Read for every row of every step (Sampler.columns), so worked out once here:
     # the sampler's columns (temperature, top_k, top_p, min_p, then the three penalties),
     # whether the row is argmax and whether its penalties do anything.
     columns: tuple[float, ...] = field(init=False, repr=False, compare=False)
