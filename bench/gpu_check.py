@@ -230,10 +230,12 @@ def check_attention(device: str) -> None:
         line(f"attention {name} vs reference: max abs err", err, "",
              "ok" if err < tol else f"FAIL (>= {tol})")
         if query_len == 1:  # decode steps take a program per sequence: the same bits
-            same = torch.equal(out, paged_attention(*args, scale=0.125, max_seq_len=seq_len,
-                                                    max_query_len=1))
-            line(f"attention {name}: decode grid bits equal the general grid's", same, "",
-                 "ok" if same else "FAIL")
+            for rows in (16, 64):  # kiln's tiles, and a warpgroup's (gpu_prefill.py)
+                general = paged_attention(*args, scale=0.125, max_seq_len=seq_len, rows=rows)
+                same = torch.equal(general, paged_attention(
+                    *args, scale=0.125, max_seq_len=seq_len, max_query_len=1, rows=rows))
+                line(f"attention {name}: decode grid bits equal the general grid's, "
+                     f"{rows}-row tiles", same, "", "ok" if same else "FAIL")
 
 
 def bench(fn) -> float:
@@ -256,11 +258,14 @@ def time_kernels(device: str) -> None:
             *args, scale=0.125, max_seq_len=seq_len, max_query_len=1))
         general = bench(lambda args=args, seq_len=seq_len: paged_attention(
             *args, scale=0.125, max_seq_len=seq_len))
+        wide = bench(lambda args=args, seq_len=seq_len: paged_attention(
+            *args, scale=0.125, max_seq_len=seq_len, max_query_len=1, rows=64))
         kv_bytes = 2 * num_seqs * seq_len * kv_heads * head_dim * dt.itemsize
         gbps = kv_bytes / ms / 1e6
         line(f"attention decode {model} {num_seqs} x {context}", ms, "ms",
              f"{gbps:.0f} GB/s = {gbps / HBM_GBPS:.0%} of {HBM_GBPS:.0f}; general grid "
-             f"{general:.3f} ms: {general / ms:.2f}x {note}")
+             f"{general:.3f} ms: {general / ms:.2f}x; 64-row tiles {wide:.3f} ms: "
+             f"{wide / ms:.2f}x {note}")
         if DRY:
             break
     for B, V in [(1, 151936), (256, 151936)] if not DRY else [(4, 3000)]:

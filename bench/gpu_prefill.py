@@ -1,7 +1,8 @@
 """bench/gpu_check.py's prefill attention section: kiln's paged attention over whole prompts
-with programs of 1, 2 and 4 query tiles (each K/V tile read once for a program's tiles)
-against torch's scaled_dot_product_attention (the flash backend on a GPU) on the same
-prompts, and whether each row's bits are the same whatever the tile count.
+with programs of 1, 2 and 4 query tiles of 16 rows (each K/V tile read once for a program's
+tiles) and of one 64-row tile (a Hopper warpgroup's wgmma), against torch's
+scaled_dot_product_attention (the flash backend on a GPU) on the same prompts, and whether
+each row's bits are the same whatever the tile count.
 
 A section takes the check's own `line` (one figure a line) and `bench` (ms a call).
 """
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kiln.kernels.attention import paged_attention, prefill_tiles
+from kiln.kernels.attention import TILE_ROWS, paged_attention, prefill_tiles
 
 # (name, prompts, tokens each, heads, kv heads, head_dim): the default model's shape and a
 # Llama-3.2-1B-class one (issue 27's 64 x 2,048 prefill)
@@ -56,11 +57,12 @@ def _time_prefill(name, B, L, heads, kv_heads, D, device, line, bench) -> None:
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     paged, (q, k, v) = prompts(B, L, heads, kv_heads, D, dt, device)
     scale = D ** -0.5
-    run = {tiles: (lambda t=tiles: paged_attention(*paged, scale=scale, max_seq_len=L,
-                                                   max_query_len=L, tiles=t))
-           for tiles in (1, 2, 4)}
-    one = run[1]()
-    same = all(torch.equal(one, run[t]()) for t in (2, 4))
+    run = {(rows, tiles): (lambda r=rows, t=tiles: paged_attention(
+        *paged, scale=scale, max_seq_len=L, max_query_len=L, tiles=t, rows=r))
+        for rows, tiles in ((16, 1), (16, 2), (16, 4), (64, 1))}
+    one = run[16, 1]()
+    same = all(torch.equal(one, run[16, t]()) for t in (2, 4))
+    wide = (run[64, 1]().float() - one.float()).abs().max()
     backend = SDPBackend.FLASH_ATTENTION if device == "cuda" else SDPBackend.MATH
 
     def sdpa():
@@ -73,9 +75,13 @@ def _time_prefill(name, B, L, heads, kv_heads, D, device, line, bench) -> None:
     line(f"prefill attention {shape}: bits alike at 1, 2, 4 tiles", same, "",
          "ok" if same else "FAIL: a row's bits follow its program's tile count")
     line(f"prefill attention {shape}: max abs err vs SDPA", float(err))
-    for tiles, fn in run.items():
+    line(f"prefill attention {shape}: max abs diff of 64-row tiles vs 16", float(wide), "",
+         "(one shape a model: decode and prefill take the same, so either keeps the "
+         "invariance)")
+    for (rows, tiles), fn in run.items():
         ms = bench(fn)
-        default = " (kiln's choice)" if tiles == prefill_tiles(D, dt) else ""
-        line(f"prefill attention {shape} tiles={tiles}", ms, "ms",
+        default = " (kiln's choice)" if (rows, tiles) == (
+            TILE_ROWS, prefill_tiles(D, dt)) else ""
+        line(f"prefill attention {shape} rows={rows} tiles={tiles}", ms, "ms",
              f"{flops / ms / 1e9:.0f} TFLOP/s; SDPA ({backend.name.lower()}) {ms_sdpa:.3f} "
              f"ms: kiln {ms_sdpa / ms:.2f}x{default}")

@@ -310,12 +310,36 @@ def test_programs_of_several_query_tiles_give_each_row_its_bits(group, window, d
     assert_close(call(4), ref, *TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group, window, dtype", [(3, 20, torch.bfloat16),
+                                                  (4, 0, torch.float32)])
+def test_tiles_of_64_rows_match_the_reference_and_keep_a_rows_bits(group, window, dtype,
+                                                                   device):
+    """Tiles of 64 query rows (one Hopper warpgroup's wgmma; 21 positions at GQA 3, 16 at 4)
+    on every grid: against the reference on a mixed batch, and a row's bits the same however
+    its prompt is chunked or batched, its last row the decode grid's."""
+    heads, kv_heads = GQA[group]
+    seqs = make_sequences([75, 18, 110], heads, kv_heads, 64, dtype, device)
+    call = lambda rows, **kw: paged_attention(*seqs.step(rows), scale=0.125, rows=64,
+                                              sliding_window=window, partition_size=64, **kw)
+    mixed = [(1, 17, 1), (0, 0, 75), (2, 100, 10)]
+    batched = call(mixed)
+    assert_close(batched, paged_attention_ref(*seqs.step(mixed), scale=0.125,
+                                              sliding_window=window), *TOLERANCES[dtype])
+    whole = call([(0, 0, 75)])
+    chunked = torch.cat([call([(0, 0, 7)]), call([(0, 7, 67)]),
+                         call([(0, 74, 1)], max_query_len=1)])
+    assert torch.equal(whole, chunked), (whole - chunked).abs().max()
+    assert torch.equal(whole, batched[1:76])
+
+
 def test_the_host_gives_prefill_programs_several_tiles_where_a_prompt_fills_them():
     from kiln.kernels.attention import prefill_tiles, sub_tiles
     bf16, block_q = torch.bfloat16, 5
     tiles = prefill_tiles(64, bf16)
     # what compiles without spills: head_dim 256 and fp32 operands keep one tile
     assert tiles > 1 and prefill_tiles(256, bf16) == prefill_tiles(64, torch.float32) == 1
+    assert prefill_tiles(64, bf16, rows=64) == 1  # two 64-row tiles spill
     assert sub_tiles(4, 4, 1, block_q, 64, bf16) == 1  # a decode step: a program per sequence
     assert sub_tiles(300, 3, None, block_q, 64, bf16) == 1  # query lengths unknown
     assert sub_tiles(30, 3, tiles * block_q - 1, block_q, 64, bf16) == 1

@@ -27,9 +27,11 @@ def test_gpu_check_dry_run_passes_every_check():
                     "batch 3 graphs cuBLAS", "batch 3 eager invariant",
                     "serving: greedy chat, whole vs streamed", "serving: SIGTERM",
                     "torch.compile decode step smollm2-135m batch 3",
-                    "prefill attention smollm2-135m 2 x 48 tiles=4", "total"):
+                    "prefill attention smollm2-135m 2 x 48 rows=16 tiles=4",
+                    "prefill attention smollm2-135m 2 x 48 rows=64 tiles=1",
+                    "decode grid bits equal the general grid's, 64-row tiles", "total"):
         assert section in out, f"{section!r} missing:\n{out}"
-    # logits (two products), two attention cases and the decode grid's bits, two sampler
-    # checks, two products' rows, four replies' comparisons, four serving checks, the
-    # prefill tiles' bits
-    assert out.count(" ok") == 18, out
+    # logits (two products), two attention cases and the decode grid's bits at 16 and 64
+    # rows, two sampler checks, two products' rows, four replies' comparisons, four serving
+    # checks, the prefill tiles' bits
+    assert out.count(" ok") == 19, out

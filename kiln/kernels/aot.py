@@ -6,8 +6,9 @@ Runs the launchers of kernels/warmup.py on CPU tensors for each model's shapes a
 with Triton's JIT pointed at a stand-in driver whose target is the given NVIDIA arch: Triton
 specialises the launches exactly as it would on that GPU, and instead of launching, each new
 variant is compiled for the target through `triton.compile` (ptxas ships in the wheel). One
-line per variant: registers, shared memory, spill stores and loads (`ptxas -v`), and how many
-tiles its pipelined loads keep in shared memory (`buffers`). Exits 1 on
+line per variant: registers, shared memory, spill stores and loads (`ptxas -v`), how many
+tiles its pipelined loads keep in shared memory (`buffers`) and its tensor-core instruction
+(`wgmma`, Hopper's warpgroup MMA; `mma`, mma.sync; `-`: none). Exits 1 on
 a compile error or shared memory over the arch's limit. Not under TRITON_INTERPRET: the
 interpreter replaces the JIT.
 """
@@ -31,6 +32,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.driver import driver
 
+from kiln.kernels.attention import TILE_ROWS
 from kiln.kernels.warmup import KernelShapes, warmup_launches
 
 # The catalogue's shapes plus a Llama-3.2-1B-class model (GQA 4, head_dim 64, 128k vocab).
@@ -72,6 +74,7 @@ class Variant:
     spill_stores: int
     spill_loads: int
     buffers: int  # tiles each pipelined load keeps in shared memory (1: nothing in flight)
+    mma: str  # the tensor-core instruction: "wgmma", "mma" (mma.sync) or "-"
     seconds: float
 
 
@@ -96,6 +99,11 @@ def pipeline_buffers(ttgir: str) -> int:
     pipelined."""
     depths = re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
     return max(map(int, depths), default=0)
+
+
+def mma_kind(ptx: str) -> str:
+    """The tensor-core instruction the code's dots compile to."""
+    return "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "-"
 
 
 # Shared memory a block may use (sm_90: 227 KB, sm_80: 163 KB); triton.compile does not check.
@@ -149,7 +157,8 @@ class Recorder:
             self.errors.append((jit.__name__, self.where, f"{shared} B of shared memory, "
                                 f"over sm_{self.arch}'s {SHARED_LIMIT[self.arch]}"))
         self.variants.append(Variant(jit.__name__, self.where, regs, shared, stores, loads,
-                                     pipeline_buffers(kernel.asm["ttgir"]), seconds))
+                                     pipeline_buffers(kernel.asm["ttgir"]),
+                                     mma_kind(kernel.asm["ptx"]), seconds))
         return True  # handled here: the JIT neither compiles again nor launches
 
     def run(self, label: str, launches) -> None:
@@ -158,12 +167,14 @@ class Recorder:
             launch()
 
 
-def compile_all(arch: int, models: list[str], dtypes: list[str]) -> Recorder:
+def compile_all(arch: int, models: list[str], dtypes: list[str],
+                attention_rows: int = TILE_ROWS) -> Recorder:
     with Recorder(arch) as rec:
         for model in models:
             for dtype in dtypes:
                 dt = DTYPES[dtype]
-                rec.run(f"{model} {dtype}", warmup_launches(SHAPES[model], dt, dt, "cpu"))
+                rec.run(f"{model} {dtype}", warmup_launches(
+                    SHAPES[model], dt, dt, "cpu", attention_rows=attention_rows))
     return rec
 
 
@@ -172,18 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, action="append", help="sm arch (default 90 and 80)")
     p.add_argument("--model", action="append", choices=sorted(SHAPES))
     p.add_argument("--dtype", action="append", choices=sorted(DTYPES))
+    p.add_argument("--attention-rows", type=int, default=TILE_ROWS,
+                   help="query rows of an attention tile (default: kiln's)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot: unset TRITON_INTERPRET (the interpreter replaces the JIT)", file=sys.stderr)
         return 2
     failed = False
     for arch in args.arch or [90, 80]:
-        rec = compile_all(arch, args.model or list(SHAPES), args.dtype or list(DTYPES))
+        rec = compile_all(arch, args.model or list(SHAPES), args.dtype or list(DTYPES),
+                          args.attention_rows)
         variants, errors = rec.variants, rec.errors
         for v in variants:
             print(f"sm_{arch} {v.kernel:26s} regs {v.registers:3d}  shared {v.shared:6d} B  "
                   f"spills {v.spill_stores:4d} B stored {v.spill_loads:4d} B loaded  "
-                  f"buffers {v.buffers}  {v.seconds:4.1f} s  [{v.where}]")
+                  f"buffers {v.buffers}  {v.mma:5s}  {v.seconds:4.1f} s  [{v.where}]")
         for kernel, where, message in errors:
             print(f"sm_{arch} {kernel} FAILED [{where}]: {message}")
         print(f"sm_{arch}: {len(variants)} variants compiled, {len(errors)} failed")

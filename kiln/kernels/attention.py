@@ -255,9 +255,19 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES[dtype]
 
 
-def _tile_sizes(group_size: int, head_dim: int) -> tuple[int, int, int]:
+# Query rows a tile holds (positions x a GQA group's heads) on every grid, so a row's dots
+# have one shape in decode, prefill and mixed steps. 16: mma.sync's height. 64: one Hopper
+# warpgroup's wgmma, each K/V tile read once for 64 rows; at head_dim <= 128 its sm_90 code
+# takes 128-197 registers without spills and keeps three K/V tiles in flight (16 rows: two;
+# bench/results/20261207-aot-attention-rows.txt). Unmeasured on a GPU: bench/gpu_check.sh
+# times both on decode and prefill, against torch's SDPA.
+TILE_ROWS = 16
+
+
+def _tile_sizes(group_size: int, head_dim: int, rows: int = TILE_ROWS
+                ) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_M, BLOCK_N) from the model's shapes only, never from the batch."""
-    block_m = max(16, triton.next_power_of_2(group_size))
+    block_m = max(rows, triton.next_power_of_2(group_size))
     block_q = block_m // group_size
     block_n = 64 if head_dim <= 128 else 32
     return block_q, block_m, block_n
@@ -268,20 +278,20 @@ def is_decode_step(num_tokens: int, num_seqs: int, max_query_len: int | None) ->
     return max_query_len == 1 and num_tokens == num_seqs
 
 
-def prefill_tiles(head_dim: int, dtype: torch.dtype) -> int:
+def prefill_tiles(head_dim: int, dtype: torch.dtype, rows: int = TILE_ROWS) -> int:
     """Query tiles a prefill program holds, reading each K/V tile once for all of them: as
     many as sm_90/sm_80 code keeps in registers without spilling (aot.py, 16-bit operands: at
-    head_dim 64, 2 tiles take 142-196 registers and 4 tiles 238-255 with spills; at 256, 2
-    tiles take 238-255; fp32 operands spill at 2 tiles already)."""
-    return 2 if dtype != torch.float32 and head_dim <= 128 else 1
+    head_dim 64, 2 tiles of 16 rows take 142-196 registers and 4 tiles 238-255 with spills,
+    2 of 64 rows spill; at 256, 2 tiles take 238-255; fp32 operands spill at 2 tiles)."""
+    return 2 if dtype != torch.float32 and head_dim <= 128 and rows <= 16 else 1
 
 
 def sub_tiles(num_tokens: int, num_seqs: int, max_query_len: int | None, block_q: int,
-              head_dim: int, dtype: torch.dtype) -> int:
+              head_dim: int, dtype: torch.dtype, rows: int = TILE_ROWS) -> int:
     """Query tiles a program holds: one in a decode step and where no sequence brings a full
     program of queries (or the host does not know), prefill_tiles otherwise. Any choice gives
     each row the same bits (kernels/attention_tile.py)."""
-    tiles = prefill_tiles(head_dim, dtype)
+    tiles = prefill_tiles(head_dim, dtype, rows)
     if max_query_len is None or is_decode_step(num_tokens, num_seqs, max_query_len) \
             or max_query_len < tiles * block_q:
         return 1
@@ -311,6 +321,7 @@ def paged_attention(
     partition_size: int = PARTITION_SIZE,
     max_query_len: int | None = None,  # host-known bound on query lengths (1: decode grid)
     tiles: int | None = None,  # query tiles a prefill program holds (1, 2, 4; sub_tiles's)
+    rows: int = TILE_ROWS,  # query rows a tile (the bench times others; one per model)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -337,7 +348,7 @@ def paged_attention(
         return out
 
     group_size = num_heads // num_kv_heads
-    block_q, block_m, block_n = _tile_sizes(group_size, head_dim)
+    block_q, block_m, block_n = _tile_sizes(group_size, head_dim, rows)
     assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
@@ -354,7 +365,7 @@ def paged_attention(
     decode = is_decode_step(num_tokens, num_seqs, max_query_len)
     if tiles is None:
         tiles = sub_tiles(num_tokens, num_seqs, max_query_len, block_q, head_dim,
-                          query.dtype)
+                          query.dtype, rows)
     assert tiles in (1, 2, 4) and not (decode and tiles > 1), tiles
     grid = (query_programs(num_tokens, num_seqs, max_query_len, block_q, tiles), num_kv_heads,
             num_partitions)

@@ -16,7 +16,7 @@ import torch
 
 from kiln.kernels import BLOCK_SIZE
 from kiln.kernels.activation import act_mul
-from kiln.kernels.attention import PARTITION_SIZE, paged_attention, prefill_tiles
+from kiln.kernels.attention import PARTITION_SIZE, TILE_ROWS, paged_attention, prefill_tiles
 from kiln.kernels.kv_cache import rope_store_kvcache
 from kiln.kernels.matmul import matmul
 from kiln.kernels.rms_norm import add_rms_norm, rms_norm
@@ -76,12 +76,13 @@ def _product_launches(shapes: KernelShapes, dtype: torch.dtype, device: torch.de
 
 
 def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torch.dtype,
-                    device: torch.device | str, batch_invariant: bool = True
-                    ) -> list[tuple[str, Callable[[], None]]]:
+                    device: torch.device | str, batch_invariant: bool = True,
+                    attention_rows: int = TILE_ROWS) -> list[tuple[str, Callable[[], None]]]:
     """(name, launch) for every variant: the batch-invariant products of each weight's
     shape (where the backend uses them); the norms and the gated activation; the KV store
-    (with QK-norm and RoPE) and attention at each window, split and not; the sampler with and
-    without penalties and grammar."""
+    (with QK-norm and RoPE) and attention at each window, split and not (its tiles of
+    attention_rows query rows: another than the default only for aot.py's reports); the
+    sampler with and without penalties and grammar."""
     H, KVH, D, bs = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.block_size
     hidden = torch.zeros((1, shapes.hidden_size), dtype=dtype, device=device)
     norm_weight = torch.ones(shapes.hidden_size, dtype=torch.float32, device=device)
@@ -119,12 +120,13 @@ def warmup_launches(shapes: KernelShapes, dtype: torch.dtype, logits_dtype: torc
                                angles, angles, qk_norm)
             paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             D ** -0.5, sliding_window=window, max_seq_len=length,
-                            max_query_len=query_len, tiles=tiles)
+                            max_query_len=query_len, tiles=tiles, rows=attention_rows)
         return launch
 
     # The decode grid (steps of one token a sequence), the general one, and the general one
     # with programs of several query tiles (prefill steps with long chunks).
-    grids = [("decode", 1, None), ("general", None, 1), ("prefill", None, prefill_tiles(D, dtype))]
+    grids = [("decode", 1, None), ("general", None, 1),
+             ("prefill", None, prefill_tiles(D, dtype, attention_rows))]
     launches += [(f"attention window={w} split={length > PARTITION_SIZE} grid={grid}",
                   attention(w, length, query_len, tiles))
                  for w in shapes.sliding_windows for length in (1, seq_len)
