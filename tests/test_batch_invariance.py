@@ -115,39 +115,44 @@ def test_async_steps_through_the_graphs_give_the_synchronous_bits(model):
     assert got[True] == got[False]
 
 
-def test_plain_rows_are_sampled_inside_the_decode_graphs(model):
-    """Rows asking for no penalty, bias, grammar or top logprobs (greedy, seeded, top_k and
-    top_p; the token's own logprob) take the graphs captured with the sampler: a decode step
-    launches no sampler of its own, synchronously and with --async-scheduling (the in-flight
-    tokens read from the graph's samples), and every token id and logprob is the eager
-    engine's. (Rows with more: the test above, where no replay samples.)"""
-    def requests(engine, tag):
+def test_rows_are_sampled_inside_the_decode_graphs(model):
+    """Rows asking for no bias, grammar or top logprobs (greedy, seeded, top_k and top_p,
+    the token's own logprob; penalties over a window of up to 64 tokens) take the graphs
+    captured with the sampler: a decode step launches no sampler of its own, and every token
+    id and logprob is the eager engine's - synchronously, and with --async-scheduling, where
+    the in-flight tokens reach the next step's inputs and penalty windows from the graph's
+    samples. (Rows with more: the first test, where no replay samples.)"""
+    def requests(engine, tag, penalty: bool):
         specs = (([5, 6, 7], SamplingParams(temperature=0.8, seed=7), 5),
                  (list(range(100, 130)), SamplingParams(temperature=0.0), 3),  # leaves first
-                 (list(range(200, 220)), SamplingParams(temperature=1.0, top_k=20, top_p=0.9,
-                                                        seed=11), 5))
+                 (list(range(200, 220)), SamplingParams(  # favours repeats: its window counts
+                     temperature=1.0, top_k=20, top_p=0.9, seed=11,
+                     repetition_penalty=0.3 if penalty else 1.0,
+                     frequency_penalty=-1.0 if penalty else 0.0, repeat_last_n=4), 5))
         return [make_request(engine, f"{tag}{i}", p, sp, max_tokens=n, logprobs=0,
                              ignore_eos=True) for i, (p, sp, n) in enumerate(specs)]
 
     eager = _engine(model)
-    want = _run(eager, requests(eager, "e"))
     engine = _engine(model, graphs=True)
     graphs, replays, eager_samples = engine.runner.graphs, [], []
     replay, run = graphs.replay, engine.sampler.run
-    graphs.replay = lambda b, n, sampled: replays.append((b, sampled)) or replay(b, n, sampled)
+    graphs.replay = lambda b, n, variant: replays.append((b, variant)) or replay(b, n, variant)
     engine.sampler.run = lambda *args: eager_samples.append(1) or run(*args)
-    for overlap in (False, True):
+    for overlap, penalty in ((False, False), (False, True), (True, True)):
+        want = _run(eager, requests(eager, "e", penalty))
         engine.async_scheduling = overlap
         replays.clear()
         eager_samples.clear()
-        assert _run(engine, requests(engine, "g")) == want, overlap
+        assert _run(engine, requests(engine, "g", penalty)) == want, overlap
         # buckets of 4 (a padding row) and 2; the prefill's step alone samples eagerly
-        assert {b for b, _ in replays} == {4, 2} and all(s for _, s in replays), replays
+        variant = "penalties" if penalty else "plain"
+        assert {b for b, _ in replays} == {4, 2} and {v for _, v in replays} == {variant}, \
+            replays
         assert len(eager_samples) == 1, eager_samples
     # What the host launches for such a decode step: the inputs' copy, the replay, the
     # samples' packing for their one copy out (the forward and the sampler: in the graph).
     engine.async_scheduling = False  # (else a copy more: the tokens in flight to the inputs)
-    for req in requests(engine, "k")[:2]:
+    for req in requests(engine, "k", False)[:2]:
         engine.add_request(req)
     engine.step()  # the prefill
     with torch.inference_mode(), KernelCount() as count:

@@ -21,12 +21,13 @@ Two families, by the tokens a row brings:
 
 Plain decode buckets are captured twice more where `sample` is asked: with the fused
 sampler (kernels/sampling.py) after the LM head, on the bucket's rows, its nine per-row
-columns staged with the step's inputs (padding rows greedy, every filter off). A step whose
-rows ask for nothing else - no penalty window, logit_bias, grammar or top logprobs, most
-steps - then launches one graph, not a graph and the sampler's four kernels and their
-allocations; the others replay the forward alone and sample eagerly. The same kernels on the
-same rows: a row's token and logprobs are the same bits either way (a row's sampling never
-reads another row's).
+columns staged with the step's inputs (padding rows greedy, every filter off); once without
+penalties, once with a penalty window of WINDOW columns (the rows' rings, -1 padded). A step
+whose rows ask for nothing else - no logit_bias, grammar, top logprobs or window wider than
+WINDOW: most steps, the catalogue's default repeat_last_n being 64 - then launches one graph,
+not a graph and the sampler's four kernels with their allocations and copies; the others
+replay the forward alone and sample eagerly. The same kernels on the same rows (a window's
+-1 columns count nothing): a row's token and logprobs are the same bits either way.
 
 Off the GPU (the tests) `replay` runs the same padded forward (and sampler) eagerly, so the
 bucketing, the padding and the static inputs are tested without CUDA.
@@ -40,10 +41,11 @@ import torch
 from kiln.kernels.attention import PARTITION_SIZE
 from kiln.kernels.sampling import sample
 from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata
-from kiln.runtime.engine.staging import SAMPLER_FIELDS, StepInputs
+from kiln.runtime.engine.staging import SAMPLER_FIELDS, StaticInputs, StepInputs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WINDOW = 64  # penalty window columns the graphs' sampler reads (the default repeat_last_n)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -74,16 +76,22 @@ class DecodeGraphs:
         self.query_start_loc.copy_(torch.arange(S + 1, dtype=torch.int32))
         # The contexts a capture covers: one partition, and the whole context where longer.
         self.spans = sorted({min(ctx_len, PARTITION_SIZE), ctx_len})
-        self.variants = (False, True) if self.sample else (False,)  # with the sampler
+        # What a capture samples with: nothing (the sampler runs after it), the per-row
+        # values, those and a penalty window
+        self.variants = (None, "plain", "penalties") if self.sample else (None,)
         # The samples' buffers, outside the graphs' pool: a row's token in flight
         # (--async-scheduling) is read into the next step's penalty window after that step's
         # replay, which may write over the pool's memory (capture's docstring).
         i64, f32 = (dict(dtype=dt, device=device) for dt in (torch.int64, torch.float32))
         self.samples = SamplerOutput(torch.zeros(S, **i64), torch.zeros(S, **f32),
                                      torch.zeros(S, 0, **i64), torch.zeros(S, 0, **f32))
-        # (bucket, span, with the sampler) -> graph, and its logits and samples
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int, bool],
+        # The penalty windows: a copy of their own, made only by steps that have them
+        self.window_inputs = StaticInputs(device, [("window", torch.int64, (S, WINDOW))])
+        self.window = self.window_inputs.tensors["window"]
+        self.window.fill_(-1)
+        # (bucket, span, variant) -> graph, and its logits and samples
+        self.graphs: dict[tuple[int, int, str | None], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, str | None],
                            tuple[torch.Tensor, SamplerOutput | None]] = {}
 
     def shape(self, b: int) -> tuple[int, int]:
@@ -118,17 +126,18 @@ class DecodeGraphs:
         """The capture a step whose longest row has max_seq_len positions replays."""
         return next(s for s in self.spans if s >= max_seq_len)
 
-    def _sampling(self, b: int) -> SamplingMetadata:
-        """The sampler's view of bucket b's staged columns: no optional column, every
-        kernel launched (greedy rows are settled in the second, whatever the batch)."""
+    def _sampling(self, b: int, variant: str) -> SamplingMetadata:
+        """The sampler's view of bucket b's staged columns (and windows), every kernel
+        launched (greedy rows are settled in the second, whatever the batch)."""
         columns = [self.inputs.tensors[name][:b] for name, _, _ in SAMPLER_FIELDS]
-        return SamplingMetadata(*columns[:7], window_token_ids=None, seeds=columns[7],
+        window = self.window[:b] if variant == "penalties" else None
+        return SamplingMetadata(*columns[:7], window_token_ids=window, seeds=columns[7],
                                 offsets=columns[8], grammar_bitmask=None,
                                 flags=(True, True, True, False))
 
-    def _forward(self, b: int, span: int, sampled: bool = False
+    def _forward(self, b: int, span: int, variant: str | None = None
                  ) -> tuple[torch.Tensor, SamplerOutput | None]:
-        """[tokens or b, vocab] logits, and where sampled the bucket's rows' samples."""
+        """[tokens or b, vocab] logits, and with a sampler variant the rows' samples."""
         T, S = self.shape(b)
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:S + 1], seq_lens=self.seq_lens[:S],
@@ -137,9 +146,9 @@ class DecodeGraphs:
         hidden = self.model.forward(self.input_ids[:T], self.positions[:T], meta,
                                     self.kv_caches)
         logits = self.model.compute_logits(hidden)
-        if not sampled:
+        if variant is None:
             return logits, None
-        return logits, sample(logits, self._sampling(b), out=SamplerOutput(
+        return logits, sample(logits, self._sampling(b, variant), out=SamplerOutput(
             *(t[:b] for t in (self.samples.token_ids, self.samples.logprobs,
                               self.samples.top_token_ids, self.samples.top_logprobs))))
 
@@ -151,35 +160,42 @@ class DecodeGraphs:
         the samples, which a step may read after the next one's replay, are not the pool's."""
         for b in reversed(self.sizes):
             for span in reversed(self.spans):
-                for sampled in self.variants:
-                    self._forward(b, span, sampled)  # eagerly first: lazy initialisations
+                for variant in self.variants:
+                    self._forward(b, span, variant)  # eagerly first: lazy initialisations
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[b, span, sampled] = self._forward(b, span, sampled)
+                        self.outputs[b, span, variant] = self._forward(b, span, variant)
                     pool = graph.pool()
-                    self.graphs[b, span, sampled] = graph
+                    self.graphs[b, span, variant] = graph
         return pool
 
     def stage(self, b: int, *arrays: np.ndarray,
-              sampler_columns: list[np.ndarray] | None = None) -> list[torch.Tensor]:
+              sampler_columns: list[np.ndarray] | None = None,
+              window: np.ndarray | None = None) -> list[torch.Tensor]:
         """Inputs padded to bucket b by `pad`, the logits rows, and where the step samples
         in the graph its rows' sampler columns -> the static tensors holding them, sent in
-        one copy (StepInputs.stage)."""
+        one copy (StepInputs.stage); the rows' penalty windows ([rows, <= WINDOW]) in one
+        more, where they have them."""
         assert len(arrays[0]) == self.shape(b)[0]
         assert sampler_columns is None or self.sample
+        if window is not None:
+            host, (n, w) = self.window_inputs.host()["window"], window.shape
+            host[:n, :w] = window
+            host[:n, w:] = host[n:b] = -1
+            self.window_inputs.send("window", self.window[:b].nbytes)
         return self.inputs.stage(*arrays, sampler_columns=sampler_columns, sampler_rows=b)
 
     @torch.inference_mode()
-    def replay(self, b: int, max_seq_len: int, sampled: bool = False
+    def replay(self, b: int, max_seq_len: int, variant: str | None = None
                ) -> tuple[torch.Tensor, SamplerOutput | None]:
         """Bucket b's capture for contexts up to max_seq_len, on the inputs `stage` sent ->
-        logits of its rows (plain decode) or of its tokens (with drafts), and where sampled
-        (the columns staged) its rows' samples: static buffers, valid until the next
+        logits of its rows (plain decode) or of its tokens (with drafts), and with a sampler
+        variant (its columns staged) the rows' samples: static buffers, valid until the next
         replay."""
         span = self.span(max_seq_len)
-        graph = self.graphs.get((b, span, sampled))
+        graph = self.graphs.get((b, span, variant))
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            return self._forward(b, span, sampled)
+            return self._forward(b, span, variant)
         graph.replay()
-        return self.outputs[b, span, sampled]
+        return self.outputs[b, span, variant]

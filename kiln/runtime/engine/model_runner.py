@@ -11,14 +11,20 @@ import torch
 
 from kiln.kernels.sampling_metadata import SamplerOutput
 from kiln.runtime.engine.config import EngineConfig
-from kiln.runtime.engine.cuda_graphs import DecodeGraphs
+from kiln.runtime.engine.cuda_graphs import WINDOW, DecodeGraphs
 from kiln.runtime.engine.piecewise_graphs import PiecewiseGraphs
 from kiln.runtime.engine.request import InFlightTokens, Request, TokenLogprob
 from kiln.runtime.engine.staging import StagingBuffer
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
-from kiln.runtime.sampling.sampler import Sampler, SamplerColumns, cpu_draw_for, raw_logprobs
+from kiln.runtime.sampling.sampler import (
+    Sampler,
+    SamplerColumns,
+    cpu_draw_for,
+    fill_in_flight,
+    raw_logprobs,
+)
 
 
 @dataclass
@@ -34,10 +40,10 @@ class ModelInput:
     graphs: DecodeGraphs | None = None  # a decode (with drafts or not) through these ...
     graph_bucket: int | None = None  # ... padded to this bucket
     pieces: PiecewiseGraphs | None = None  # any other step through these, if it fits
-    # The sampler's columns where built with the inputs (a decode bucket), and whether the
-    # graph samples with them (they are plain)
+    # The sampler's columns where built with the inputs (a decode bucket), and the graphs'
+    # sampler variant that takes them, if one does ("plain", "penalties")
     sampler_columns: SamplerColumns | None = None
-    sampled_in_graph: bool = False
+    graph_sampler: str | None = None
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -115,13 +121,18 @@ class ModelRunner:
                 bucket = graphs.bucket(num_seqs)
         arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         indices = np.array(logits_indices, dtype=np.int64)
-        pieces = columns = None
+        pieces = columns = graph_sampler = None
         if bucket is not None:  # straight into the graphs' own inputs
             if sampler is not None and graphs.sample:
                 columns = sampler.columns(reqs, self.model_config.vocab_size, in_flight)
-            plain = columns is not None and columns.plain
+                if columns.fit_graphs(WINDOW):
+                    graph_sampler = "plain" if columns.window is None else "penalties"
             sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices,
-                                sampler_columns=columns.columns if plain else None)
+                                sampler_columns=columns.columns[:9] if graph_sampler else None,
+                                window=columns.window if graph_sampler else None)
+            if graph_sampler and columns.fills is not None:  # tokens in flight: windows
+                fill_in_flight(graphs.window, self.scatter_staging.send(*columns.fills),
+                               in_flight)
         elif self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
             graphs, pieces = None, self.pieces
             sent = pieces.stage(*arrays, indices)
@@ -138,8 +149,7 @@ class ModelRunner:
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
                           pieces=pieces, prompt_logprob_rows=prompt_rows,
-                          sampler_columns=columns,
-                          sampled_in_graph=columns is not None and columns.plain)
+                          sampler_columns=columns, graph_sampler=graph_sampler)
 
     def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
                           ends: np.ndarray, in_flight: InFlightTokens) -> None:
@@ -187,14 +197,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> tuple[torch.Tensor | None, SamplerOutput | None]:
         """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None;
-        and their samples where the graph drew them (`ModelInput.sampled_in_graph`)."""
+        and their samples where the graph drew them (`ModelInput.graph_sampler`)."""
         if not self._threads_set:  # from the thread that steps: see CpuBackend.torch_threads
             if self.model.backend.torch_threads:
                 torch.set_num_threads(self.model.backend.torch_threads)
             self._threads_set = True
         if inp.graphs is not None:  # a decode: every row samples, in order
             logits, samples = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len,
-                                                inp.sampled_in_graph)
+                                                inp.graph_sampler)
             n = len(inp.sampling_requests)
             if samples is not None:
                 samples = SamplerOutput(samples.token_ids[:n], samples.logprobs[:n],

@@ -32,10 +32,11 @@ def step_activation_bytes(cfg: ModelConfig, config: EngineConfig, dtype_bytes: i
     sampler = S * cfg.vocab_size * (dtype_bytes + 4 + 4 + 4)
     # The piecewise graphs hold each piece's output (a layer's QKV product) at every bucket
     # (their sizes sum to under twice the largest), beside the residual stream, the final
-    # states and attention's output.
+    # states and attention's output; the decode graphs' pool, the largest bucket's logits
+    # and the sampler's scratch beside them (its penalised row and counts).
     held = 2 * MAX_TOKENS * (cfg.num_layers * qkv + 2 * cfg.hidden_size
                              + cfg.num_heads * cfg.head_dim) * dtype_bytes \
-        if config.cuda_graphs else 0
+        + S * cfg.vocab_size * (dtype_bytes + 4 + 4) if config.cuda_graphs else 0
     # 2x: allocator slack, torch temporaries
     return 2 * (T * per_token + split_kv + sampler) + held
 

@@ -104,8 +104,8 @@ class Sampler:
         """The columns on the device, in one copy."""
         sent, optional = self.staging.send(*cols.columns), cols.optional
         if "fills" in optional:
-            i, c, src = sent[optional["fills"]:optional["fills"] + 3]
-            sent[optional["window"]][i, c] = cols.in_flight.token_ids[src]
+            fill_in_flight(sent[optional["window"]],
+                           sent[optional["fills"]:optional["fills"] + 3], cols.in_flight)
 
         def get(name: str, offset: int = 0):
             return sent[optional[name] + offset] if name in optional else None
@@ -169,6 +169,14 @@ class Sampler:
         if self.use_triton:
             return sample(logits, meta)
         return sample_ref(logits, meta, cpu=self.cpu_draw)
+
+
+def fill_in_flight(window: torch.Tensor, fills: list[torch.Tensor],
+                   in_flight: InFlightTokens) -> None:
+    """The windows' tokens still in flight into their ring columns, on the device, queued
+    behind the sampler that drew them. fills: SamplerColumns.fills, sent."""
+    rows, columns, src = fills
+    window[rows, columns] = in_flight.token_ids[src]
 
 
 def cpu_draw_for(device: torch.device, use_triton: bool) -> CpuDraw | None:
@@ -240,9 +248,21 @@ class SamplerColumns:
     in_flight: InFlightTokens | None  # where the fills' tokens are
 
     @property
-    def plain(self) -> bool:
-        """Nothing past the nine per-row values: what the decode graphs' sampler takes."""
-        return not self.optional and self.num_top == 0
+    def window(self) -> np.ndarray | None:
+        """[n, W] the penalty windows' rings, -1 padded; None: no row has penalties."""
+        return self.columns[self.optional["window"]] if "window" in self.optional else None
+
+    @property
+    def fills(self) -> list[np.ndarray] | None:
+        """(rows, ring columns, rows in the last step) of the windows' tokens in flight."""
+        i = self.optional.get("fills")
+        return None if i is None else self.columns[i:i + 3]
+
+    def fit_graphs(self, window_width: int) -> bool:
+        """What the decode graphs' sampler takes: the nine per-row values and a penalty
+        window no wider than window_width; no logit_bias, grammar or top logprobs."""
+        return self.num_top == 0 and set(self.optional) <= {"window", "fills"} and (
+            self.window is None or self.window.shape[1] <= window_width)
 
 
 @dataclass
