@@ -86,7 +86,7 @@ class ModelRunner:
         (--async-scheduling) takes it from the device, where the last step sampled it.
         sampler: given where this step's rows may be sampled with what the host knows now
         (the engine's call): a decode through graphs that sample builds its columns here
-        and, where plain, stages them with the inputs."""
+        and, where the graphs' sampler takes them, stages them with the inputs."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
         reqs = [req for req, _ in scheduled]
