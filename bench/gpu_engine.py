@@ -125,13 +125,13 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
             line(f"decode step {label} batch {B} {mode}", ms, "ms",
                  f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
                  f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
-            if graphs:  # the same steps with the sampler launched after the graph
+            if graphs:  # the same steps with the sampler's kernels launched eagerly
                 decode = engine.runner.graphs
                 decode.sample = False
-                outside_ms = _step_ms(engine, steps)
+                eager_ms = _step_ms(engine, steps)
                 decode.sample = True
-                line(f"decode step {label} batch {B} {mode} sampler outside", outside_ms, "ms",
-                     f"the sampler inside the graph (above): {outside_ms / ms:.2f}x faster")
+                line(f"decode step {label} batch {B} {mode} sampler eager", eager_ms, "ms",
+                     f"the sampler's graph (above): {eager_ms / ms:.2f}x faster")
             if graphs and invariant:  # kiln serve --async-scheduling, on the same batch
                 engine.async_scheduling = True
                 engine.step()  # a step in flight from here on

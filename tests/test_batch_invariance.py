@@ -68,8 +68,8 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
     pieces, steps = graphs.runner.pieces, []  # the piecewise graphs' steps: their tokens
     forward = pieces.forward
     pieces.forward = lambda ids, *args: steps.append(len(ids)) or forward(ids, *args)
-    replays, replay = [], graphs.runner.graphs.replay  # (top logprobs and a penalty asked)
-    graphs.runner.graphs.replay = lambda *args: replays.append(args[2]) or replay(*args)
+    sampled, sample_rows = [], graphs.runner.graphs.sample_rows  # (top logprobs asked)
+    graphs.runner.graphs.sample_rows = lambda *args: sampled.append(1) or sample_rows(*args)
     reqs = _requests(graphs, "g")[1:]
     out = {r.request_id: [] for r in reqs}
     for req in reqs[1:]:  # prefilled through the pieces, decoded in the graphs ...
@@ -83,7 +83,7 @@ def test_a_request_has_the_same_bits_alone_batched_cached_cold_and_in_graphs(mod
             out[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
     assert graphs.kv.block_pool.get_num_free_blocks() == graphs.config.num_blocks
     assert steps[:2] == [43, 95], steps
-    assert replays and not any(replays), replays  # no decode step sampled in the graphs
+    assert not sampled  # no decode step sampled in the graphs
     in_graphs = {int(rid[1:]): tokens for rid, tokens in out.items()}
     assert all(len(v) == 3 for v in batched.values())
     assert cached == batched and cold == batched
@@ -133,32 +133,44 @@ def test_rows_are_sampled_inside_the_decode_graphs(model):
                              ignore_eos=True) for i, (p, sp, n) in enumerate(specs)]
 
     eager = _engine(model)
+    want = _run(eager, requests(eager, "e", True))
+    want_plain = _run(eager, requests(eager, "p", False)[:2])
     engine = _engine(model, graphs=True)
     graphs, replays, eager_samples = engine.runner.graphs, [], []
-    replay, run = graphs.replay, engine.sampler.run
-    graphs.replay = lambda b, n, variant: replays.append((b, variant)) or replay(b, n, variant)
+    sample_rows, run = graphs.sample_rows, engine.sampler.run
+    graphs.sample_rows = lambda b, n, columns, window, fill: replays.append(
+        (b, window is not None)) or sample_rows(b, n, columns, window, fill)
     engine.sampler.run = lambda *args: eager_samples.append(1) or run(*args)
-    for overlap, penalty in ((False, False), (False, True), (True, True)):
-        want = _run(eager, requests(eager, "e", penalty))
+    for overlap in (False, True):
         engine.async_scheduling = overlap
         replays.clear()
         eager_samples.clear()
-        assert _run(engine, requests(engine, "g", penalty)) == want, overlap
+        assert _run(engine, requests(engine, "g", True)) == want, overlap
         # buckets of 4 (a padding row) and 2; the prefill's step alone samples eagerly
-        variant = "penalties" if penalty else "plain"
-        assert {b for b, _ in replays} == {4, 2} and {v for _, v in replays} == {variant}, \
+        assert {b for b, _ in replays} == {4, 2} and {w for _, w in replays} == {True}, \
             replays
         assert len(eager_samples) == 1, eager_samples
-    # What the host launches for such a decode step: the inputs' copy, the replay, the
-    # samples' packing for their one copy out (the forward and the sampler: in the graph).
-    engine.async_scheduling = False  # (else a copy more: the tokens in flight to the inputs)
-    for req in requests(engine, "k", False)[:2]:
+    # Without penalties, synchronously: the bits, and what the host launches for a decode
+    # step: the inputs' copy and the forward's replay, the sampler's columns' copy and its
+    # replay, the samples' packing for their one copy out.
+    engine.async_scheduling = False
+    replays.clear()
+    reqs = requests(engine, "k", False)[:2]
+    got = {r.request_id: [] for r in reqs}
+
+    def take(outputs):
+        for o in outputs:
+            got[o.request_id] += [(lp.token_id, lp.logprob) for lp in o.new_logprobs]
+    for req in reqs:
         engine.add_request(req)
-    engine.step()  # the prefill
+    take(engine.step())  # the prefill
     with torch.inference_mode(), KernelCount() as count:
         graphs.replay = count.as_one_launch(graphs.replay, "graph replay")
-        engine.step()
-    assert dict(count.launches) == {"torch copy_": 1, "graph replay": 1, "torch cat": 1}, \
+        graphs._sample = count.as_one_launch(graphs._sample, "graph replay")
+        take(engine.step())
+    assert dict(count.launches) == {"torch copy_": 2, "graph replay": 2, "torch cat": 1}, \
         count.launches
     while engine.has_unfinished():
-        engine.step()
+        take(engine.step())
+    assert {int(rid[1:]): tokens for rid, tokens in got.items()} == want_plain
+    assert replays and {w for _, w in replays} == {False}, replays

@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_passes_every_check():
                     "replies alone vs cached, batch-invariant",
                     "decode step smollm2-135m batch 3 graphs invariant",
                     "batch 3 graphs invariant async",
-                    "batch 3 graphs invariant sampler outside",
+                    "batch 3 graphs invariant sampler eager",
                     "mixed step smollm2-135m batch 3 + 1 x 16 graphs invariant pieces",
                     "batch 3 graphs cuBLAS", "batch 3 eager invariant",
                     "serving: greedy chat, whole vs streamed", "serving: SIGTERM",

@@ -67,25 +67,27 @@ def test_static_inputs_send_a_prefix_of_their_layout_to_fixed_addresses():
     assert ids.data_ptr() % 16 == 0 and tables.data_ptr() % 16 == 0
 
 
-def test_step_inputs_stage_the_samplers_columns_and_idle_padding_rows():
-    """The decode graphs' inputs with the sampler's nine columns: the step's rows get theirs
-    in the same copy as its tokens; the bucket's rows after them sample nothing (greedy,
-    filters and penalties off), whatever an earlier, larger step left there."""
-    from kiln.runtime.engine.staging import SAMPLER_FIELDS, StepInputs
+def test_sampler_inputs_stage_columns_idle_padding_rows_and_windows():
+    """The decode graphs' sampler inputs: the step's rows get their columns, the bucket's
+    rows after them sample nothing (greedy, filters and penalties off), whatever an earlier,
+    larger step left there; windows narrower than the buffer are -1 padded, and a step
+    without windows sends the columns alone."""
+    from kiln.runtime.engine.staging import SAMPLER_FIELDS, SamplerInputs
 
-    inputs = StepInputs("cpu", 4, 4, 2, sampler_columns=True)
+    inputs = SamplerInputs("cpu", 4, 8)
     names = [name for name, _, _ in SAMPLER_FIELDS]
 
-    def stage(n: int, value: float):
+    def stage(n: int, value: float, window=None):
         columns = [np.full(n, value, dtype=torch.empty(0, dtype=dt).numpy().dtype)
                    for _, dt, _ in SAMPLER_FIELDS]
-        ints = [np.arange(n, dtype=np.int64)] * 3  # ids, positions, slots
-        inputs.stage(*ints, np.arange(n + 1, dtype=np.int32), np.ones(n, dtype=np.int32),
-                     np.zeros((n, 2), dtype=np.int32), np.arange(n), sampler_columns=columns,
-                     sampler_rows=4)
+        inputs.stage(columns, 4, window)
         return {name: inputs.tensors[name].tolist() for name in names}
 
-    assert all(v == [2] * 4 for v in stage(4, 2).values())
-    got = stage(3, 3)
+    assert all(v == [2] * 4 for v in stage(4, 2, np.full((4, 8), 7)).values())
+    got = stage(3, 3, np.array([[1, 2], [3, -1], [4, 5]]))
     for name, _, idle in SAMPLER_FIELDS:
         assert got[name] == [3, 3, 3, idle], name
+    assert inputs.window.tolist() == [[1, 2] + [-1] * 6, [3] + [-1] * 7, [4, 5] + [-1] * 6,
+                                      [-1] * 8]
+    stage(2, 1)  # no windows: the device's stay as they were
+    assert inputs.window[0].tolist() == [1, 2] + [-1] * 6

@@ -19,17 +19,18 @@ Two families, by the tokens a row brings:
   each, the last taking the rest: there is always a last, the one token past b * (1 + k)),
   so the launch's shape (tokens, sequences) is the bucket's whatever the drafts.
 
-Plain decode buckets are captured twice more where `sample` is asked: with the fused
-sampler (kernels/sampling.py) after the LM head, on the bucket's rows, its nine per-row
-columns staged with the step's inputs (padding rows greedy, every filter off); once without
-penalties, once with a penalty window of WINDOW columns (the rows' rings, -1 padded). A step
-whose rows ask for nothing else - no logit_bias, grammar, top logprobs or window wider than
-WINDOW: most steps, the catalogue's default repeat_last_n being 64 - then launches one graph,
-not a graph and the sampler's four kernels with their allocations and copies; the others
-replay the forward alone and sample eagerly. The same kernels on the same rows (a window's
--1 columns count nothing): a row's token and logprobs are the same bits either way.
+Where `sample` is asked (the Triton path), each plain decode capture has the fused sampler
+(kernels/sampling.py) captured after it, on its logits, twice: on the rows' nine per-row
+columns, and on those and their penalty windows (WINDOW columns, -1 padded). They are
+replayed after the forward, with the columns the host built while the forward ran, staged in
+one copy (padding rows greedy, every filter off). A step whose rows ask for nothing else -
+no logit_bias, grammar, top logprobs or window wider than WINDOW: most steps, the
+catalogue's default repeat_last_n being 64 - launches a second graph instead of the
+sampler's four kernels with their allocations; the others sample eagerly. The same kernels
+on the same rows (a window's -1 columns count nothing): a row's token and logprobs are the
+same bits either way.
 
-Off the GPU (the tests) `replay` runs the same padded forward (and sampler) eagerly, so the
+Off the GPU (the tests) the replays run the same padded forward and sampler eagerly, so the
 bucketing, the padding and the static inputs are tested without CUDA.
 """
 
@@ -41,7 +42,7 @@ import torch
 from kiln.kernels.attention import PARTITION_SIZE
 from kiln.kernels.sampling import sample
 from kiln.kernels.sampling_metadata import SamplerOutput, SamplingMetadata
-from kiln.runtime.engine.staging import SAMPLER_FIELDS, StaticInputs, StepInputs
+from kiln.runtime.engine.staging import SAMPLER_FIELDS, SamplerInputs, StepInputs
 from kiln.runtime.kv.attention_metadata import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -57,7 +58,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, ctx_len: int, block_size: int,
                  device: torch.device, tokens_per_row: int = 1, sample: bool = False):
-        """sample: plain decode buckets captured with the sampler too (the Triton path)."""
+        """sample: plain decode buckets' samplers captured too (the Triton path)."""
         self.model, self.kv_caches, self.ctx_len = model, kv_caches, ctx_len
         self.tokens_per_row = tokens_per_row
         self.sample = sample and tokens_per_row == 1
@@ -65,7 +66,7 @@ class DecodeGraphs:
         T, S = self.shape(self.sizes[-1])
         max_blocks = -(-ctx_len // block_size)
         # One set of static inputs at the largest bucket (bucket b uses the first rows).
-        self.inputs = StepInputs(device, T, S, max_blocks, sampler_columns=self.sample)
+        self.inputs = StepInputs(device, T, S, max_blocks)
         t = self.inputs.tensors
         self.input_ids, self.positions, self.slot_mapping = \
             t["input_ids"], t["positions"], t["slot_mapping"]
@@ -76,23 +77,21 @@ class DecodeGraphs:
         self.query_start_loc.copy_(torch.arange(S + 1, dtype=torch.int32))
         # The contexts a capture covers: one partition, and the whole context where longer.
         self.spans = sorted({min(ctx_len, PARTITION_SIZE), ctx_len})
-        # What a capture samples with: nothing (the sampler runs after it), the per-row
-        # values, those and a penalty window
-        self.variants = (None, "plain", "penalties") if self.sample else (None,)
-        # The samples' buffers, outside the graphs' pool: a row's token in flight
-        # (--async-scheduling) is read into the next step's penalty window after that step's
-        # replay, which may write over the pool's memory (capture's docstring).
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, span)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None  # the last replay's, all its rows
+        # The samplers: with the rows' values ("plain"), and with their windows too
+        self.variants = ("plain", "penalties") if self.sample else ()
+        self.sampler_inputs = SamplerInputs(device, S, WINDOW) if self.sample else None
+        # The samples, outside the graphs' pool: a row's token in flight (--async-scheduling)
+        # is read into the next step's penalty window after that step's forward has replayed,
+        # which may write over the pool's memory (capture's docstring).
         i64, f32 = (dict(dtype=dt, device=device) for dt in (torch.int64, torch.float32))
         self.samples = SamplerOutput(torch.zeros(S, **i64), torch.zeros(S, **f32),
                                      torch.zeros(S, 0, **i64), torch.zeros(S, 0, **f32))
-        # The penalty windows: a copy of their own, made only by steps that have them
-        self.window_inputs = StaticInputs(device, [("window", torch.int64, (S, WINDOW))])
-        self.window = self.window_inputs.tensors["window"]
-        self.window.fill_(-1)
-        # (bucket, span, variant) -> graph, and its logits and samples
-        self.graphs: dict[tuple[int, int, str | None], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int, str | None],
-                           tuple[torch.Tensor, SamplerOutput | None]] = {}
+        # (bucket, span, variant) -> the sampler's graph and its samples
+        self.sampler_graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
+        self.sampled: dict[tuple[int, int, str], SamplerOutput] = {}
 
     def shape(self, b: int) -> tuple[int, int]:
         """(tokens, sequences) of bucket b's launch."""
@@ -126,18 +125,7 @@ class DecodeGraphs:
         """The capture a step whose longest row has max_seq_len positions replays."""
         return next(s for s in self.spans if s >= max_seq_len)
 
-    def _sampling(self, b: int, variant: str) -> SamplingMetadata:
-        """The sampler's view of bucket b's staged columns (and windows), every kernel
-        launched (greedy rows are settled in the second, whatever the batch)."""
-        columns = [self.inputs.tensors[name][:b] for name, _, _ in SAMPLER_FIELDS]
-        window = self.window[:b] if variant == "penalties" else None
-        return SamplingMetadata(*columns[:7], window_token_ids=window, seeds=columns[7],
-                                offsets=columns[8], grammar_bitmask=None,
-                                flags=(True, True, True, False))
-
-    def _forward(self, b: int, span: int, variant: str | None = None
-                 ) -> tuple[torch.Tensor, SamplerOutput | None]:
-        """[tokens or b, vocab] logits, and with a sampler variant the rows' samples."""
+    def _forward(self, b: int, span: int) -> torch.Tensor:  # [tokens or b, vocab] logits
         T, S = self.shape(b)
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:S + 1], seq_lens=self.seq_lens[:S],
@@ -145,57 +133,78 @@ class DecodeGraphs:
             max_query_len=T - S + 1, max_seq_len=span)
         hidden = self.model.forward(self.input_ids[:T], self.positions[:T], meta,
                                     self.kv_caches)
-        logits = self.model.compute_logits(hidden)
-        if variant is None:
-            return logits, None
-        return logits, sample(logits, self._sampling(b, variant), out=SamplerOutput(
-            *(t[:b] for t in (self.samples.token_ids, self.samples.logprobs,
-                              self.samples.top_token_ids, self.samples.top_logprobs))))
+        return self.model.compute_logits(hidden)
+
+    def _sample(self, logits: torch.Tensor, b: int, variant: str) -> SamplerOutput:
+        """Bucket b's rows sampled from their staged columns (and windows), every kernel
+        launched (greedy rows are settled in the second, whatever the batch)."""
+        t = self.sampler_inputs.tensors
+        columns = [t[name][:b] for name, _, _ in SAMPLER_FIELDS]
+        window = self.sampler_inputs.window[:b] if variant == "penalties" else None
+        meta = SamplingMetadata(*columns[:7], window_token_ids=window, seeds=columns[7],
+                                offsets=columns[8], grammar_bitmask=None,
+                                flags=(True, True, True, False))
+        return sample(logits, meta, out=SamplerOutput(*(
+            x[:b] for x in (self.samples.token_ids, self.samples.logprobs,
+                            self.samples.top_token_ids, self.samples.top_logprobs))))
 
     @torch.inference_mode()
     def capture(self, pool=None):
         """Largest bucket first, all in one memory pool (a smaller graph reuses its memory;
         pool: another family's, shared) -> the pool. A graph's intermediates may lie where
-        a graph captured after it holds its logits: read before the next replay, so safe;
-        the samples, which a step may read after the next one's replay, are not the pool's."""
+        a graph captured after it holds its logits: read before the next forward replays, so
+        safe; the samples, read after it at times, are not the pool's."""
+        def captured(run, *args):
+            run(*args)  # eagerly first: lazy initialisations stay out
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run(*args)
+            return graph, out
+
         for b in reversed(self.sizes):
             for span in reversed(self.spans):
+                graph, self.outputs[b, span] = captured(self._forward, b, span)
+                self.graphs[b, span], pool = graph, graph.pool()
                 for variant in self.variants:
-                    self._forward(b, span, variant)  # eagerly first: lazy initialisations
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[b, span, variant] = self._forward(b, span, variant)
-                    pool = graph.pool()
-                    self.graphs[b, span, variant] = graph
+                    self.sampler_graphs[b, span, variant], self.sampled[b, span, variant] = \
+                        captured(self._sample, self.outputs[b, span], b, variant)
         return pool
 
-    def stage(self, b: int, *arrays: np.ndarray,
-              sampler_columns: list[np.ndarray] | None = None,
-              window: np.ndarray | None = None) -> list[torch.Tensor]:
-        """Inputs padded to bucket b by `pad`, the logits rows, and where the step samples
-        in the graph its rows' sampler columns -> the static tensors holding them, sent in
-        one copy (StepInputs.stage); the rows' penalty windows ([rows, <= WINDOW]) in one
-        more, where they have them."""
+    def stage(self, b: int, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Inputs padded to bucket b by `pad`, and the logits rows -> the static tensors
+        holding them, sent in one copy (StepInputs.stage)."""
         assert len(arrays[0]) == self.shape(b)[0]
-        assert sampler_columns is None or self.sample
-        if window is not None:
-            host, (n, w) = self.window_inputs.host()["window"], window.shape
-            host[:n, :w] = window
-            host[:n, w:] = host[n:b] = -1
-            self.window_inputs.send("window", self.window[:b].nbytes)
-        return self.inputs.stage(*arrays, sampler_columns=sampler_columns, sampler_rows=b)
+        return self.inputs.stage(*arrays)
 
     @torch.inference_mode()
-    def replay(self, b: int, max_seq_len: int, variant: str | None = None
-               ) -> tuple[torch.Tensor, SamplerOutput | None]:
+    def replay(self, b: int, max_seq_len: int) -> torch.Tensor:
         """Bucket b's capture for contexts up to max_seq_len, on the inputs `stage` sent ->
-        logits of its rows (plain decode) or of its tokens (with drafts), and with a sampler
-        variant (its columns staged) the rows' samples: static buffers, valid until the next
-        replay."""
+        logits of its rows (plain decode) or of its tokens (with drafts): a static buffer,
+        valid until the next replay."""
         span = self.span(max_seq_len)
-        graph = self.graphs.get((b, span, variant))
+        graph = self.graphs.get((b, span))
         if graph is None:  # not captured (no CUDA): the same padded forward, eagerly
-            return self._forward(b, span, variant)
+            self._logits = self._forward(b, span)
+        else:
+            graph.replay()
+            self._logits = self.outputs[b, span]
+        return self._logits
+
+    @torch.inference_mode()
+    def sample_rows(self, b: int, max_seq_len: int, columns: list[np.ndarray],
+                    window: np.ndarray | None, fill=None) -> SamplerOutput:
+        """The sampler's capture after the last replay (bucket b, contexts up to
+        max_seq_len), on the rows' columns and windows staged in one copy -> the bucket's
+        samples (static buffers, valid until the next): with window, the "penalties"
+        variant. fill: called with the staged windows before the replay (the tokens in
+        flight)."""
+        self.sampler_inputs.stage(columns, b, window)
+        if fill is not None:
+            fill(self.sampler_inputs.window)
+        variant = "plain" if window is None else "penalties"
+        graph = self.sampler_graphs.get((b, self.span(max_seq_len), variant))
+        if graph is None:  # (no CUDA) eagerly, on the padded rows as captured
+            return self._sample(self._logits, b, variant)
         graph.replay()
-        return self.outputs[b, span, variant]
+        return self.sampled[b, self.span(max_seq_len), variant]

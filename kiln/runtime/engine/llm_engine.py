@@ -158,19 +158,13 @@ class LLMEngine:
                     and req.sampling.seed is None and req.sampling.has_penalties:
                 req.window_prefix = self.reply_tails.lookup(req.prompt_token_ids,
                                                             req.num_cached_tokens)
-        in_flight = landing and landing.tokens
-        # The sampler's columns may be built with the inputs (a decode graph then samples
-        # too) where the host learns nothing before sampling that changes them: no step is
-        # in flight, or this one samples before reading it as well.
-        early = landing is None or (self.async_scheduling and all(
-            req.samples_ahead for req, _ in sched.scheduled))
-        inp = self.runner.prepare(sched.scheduled, in_flight, self.sampler if early else None)
-        logits, samples = self.runner.execute(inp)
+        inp = self.runner.prepare(sched.scheduled, landing and landing.tokens)
+        logits = self.runner.execute(inp)
         reqs = inp.sampling_requests
         if logits is None or (self.async_scheduling and len(logits) == len(reqs)
                               and all(req.samples_ahead for req in reqs)):
             if logits is not None:  # launch the sampler, read its tokens next step
-                out = samples if samples is not None else self._sample(logits, inp, in_flight)
+                out = self._sample(logits, inp, landing and landing.tokens)
                 self.in_flight = InFlight(reqs, InFlightTokens(out.token_ids, reqs),
                                           self.sampler.copy_out(out))
                 for req in reqs:
@@ -195,8 +189,7 @@ class LLMEngine:
         sampled = []  # (request, token, logprob entry)
         if sample_reqs:
             # The step's one device sync (with drafts, its second: raw_choices reads first).
-            out = self.sampler.fetch(samples if samples is not None else
-                                     self._sample(rows, inp, None, sample_reqs))
+            out = self.sampler.fetch(self._sample(rows, inp, None, sample_reqs if new else None))
             sampled = list(zip(sample_reqs, out.token_ids, to_token_logprobs(out, sample_reqs)))
             if any(o.finished for o in landed):  # (ended by the token just read)
                 sampled = [row for row in sampled if not row[0].is_finished]
@@ -215,12 +208,13 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, in_flight: InFlightTokens | None,
                 requests: list[Request] | None = None) -> SamplerOutput:
-        """The step's rows (or these requests' rows) sampled eagerly, with the columns built
-        with the inputs where they were."""
-        if inp.sampler_columns is not None:
-            return self.sampler.run(logits, inp.sampler_columns)
-        return self.sampler(logits, inp.sampling_requests if requests is None else requests,
-                            in_flight)
+        """The step's rows (or these requests' rows of `logits`) sampled: by the decode
+        graphs' sampler where it takes them, else by the fused sampler's launches."""
+        cols = self.sampler.columns(inp.sampling_requests if requests is None else requests,
+                                    logits.shape[-1], in_flight)
+        if requests is None and (out := self.runner.sample_in_graphs(inp, cols)) is not None:
+            return out
+        return self.sampler.run(logits, cols)
 
     def _land(self, step: InFlight | None) -> list[RequestOutput]:
         """Read an earlier step's tokens (waiting for its sampler, not for what was queued

@@ -19,7 +19,6 @@ from kiln.runtime.kv.attention_metadata import AttentionMetadata
 from kiln.runtime.kv.kv_cache_manager import KVCacheManager
 from kiln.runtime.models.config import ModelConfig
 from kiln.runtime.sampling.sampler import (
-    Sampler,
     SamplerColumns,
     cpu_draw_for,
     fill_in_flight,
@@ -40,10 +39,6 @@ class ModelInput:
     graphs: DecodeGraphs | None = None  # a decode (with drafts or not) through these ...
     graph_bucket: int | None = None  # ... padded to this bucket
     pieces: PiecewiseGraphs | None = None  # any other step through these, if it fits
-    # The sampler's columns where built with the inputs (a decode bucket), and the graphs'
-    # sampler variant that takes them, if one does ("plain", "penalties")
-    sampler_columns: SamplerColumns | None = None
-    graph_sampler: str | None = None
     # (request, first row, first position, end position): rows whose logits give the
     # logprobs of the prompt tokens at positions first + 1 .. end (completions' echo).
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -78,15 +73,11 @@ class ModelRunner:
                     *args, tokens_per_row=1 + config.speculative.num_speculative_tokens)
 
     def prepare(self, scheduled: list[tuple[Request, int]],
-                in_flight: InFlightTokens | None = None,
-                sampler: Sampler | None = None) -> ModelInput:
+                in_flight: InFlightTokens | None = None) -> ModelInput:
         """The step's inputs, built in work proportional to its tokens and rows, not to its
         contexts: positions, slots and lengths by numpy over the whole step, block tables
         in one gather of the KV manager's rows. A row whose last token is still in flight
-        (--async-scheduling) takes it from the device, where the last step sampled it.
-        sampler: given where this step's rows may be sampled with what the host knows now
-        (the engine's call): a decode through graphs that sample builds its columns here
-        and, where the graphs' sampler takes them, stages them with the inputs."""
+        (--async-scheduling) takes it from the device, where the last step sampled it."""
         bs = self.config.block_size
         num_seqs = len(scheduled)
         reqs = [req for req, _ in scheduled]
@@ -121,18 +112,9 @@ class ModelRunner:
                 bucket = graphs.bucket(num_seqs)
         arrays = (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         indices = np.array(logits_indices, dtype=np.int64)
-        pieces = columns = graph_sampler = None
+        pieces = None
         if bucket is not None:  # straight into the graphs' own inputs
-            if sampler is not None and graphs.sample:
-                columns = sampler.columns(reqs, self.model_config.vocab_size, in_flight)
-                if columns.fit_graphs(WINDOW):
-                    graph_sampler = "plain" if columns.window is None else "penalties"
-            sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices,
-                                sampler_columns=columns.columns[:9] if graph_sampler else None,
-                                window=columns.window if graph_sampler else None)
-            if graph_sampler and columns.fills is not None:  # tokens in flight: windows
-                fill_in_flight(graphs.window, self.scatter_staging.send(*columns.fills),
-                               in_flight)
+            sent = graphs.stage(bucket, *graphs.pad(bucket, *arrays), indices)
         elif self.pieces is not None and self.pieces.bucket(num_tokens) is not None:
             graphs, pieces = None, self.pieces
             sent = pieces.stage(*arrays, indices)
@@ -148,8 +130,7 @@ class ModelRunner:
         return ModelInput(input_ids=input_ids, positions=positions, meta=meta,
                           logits_indices=logits_indices_t, sampling_requests=sampling_requests,
                           num_logits_rows=num_logits_rows, graphs=graphs, graph_bucket=bucket,
-                          pieces=pieces, prompt_logprob_rows=prompt_rows,
-                          sampler_columns=columns, graph_sampler=graph_sampler)
+                          pieces=pieces, prompt_logprob_rows=prompt_rows)
 
     def _tokens_in_flight(self, input_ids: torch.Tensor, reqs: list[Request],
                           ends: np.ndarray, in_flight: InFlightTokens) -> None:
@@ -195,31 +176,43 @@ class ModelRunner:
         return input_ids, logits_indices, sampling_requests, num_logits_rows, prompt_rows
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> tuple[torch.Tensor | None, SamplerOutput | None]:
-        """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None;
-        and their samples where the graph drew them (`ModelInput.graph_sampler`)."""
+    def execute(self, inp: ModelInput) -> torch.Tensor | None:
+        """Logits [S', vocab] (the model's logits_dtype) for the rows that sample, or None."""
         if not self._threads_set:  # from the thread that steps: see CpuBackend.torch_threads
             if self.model.backend.torch_threads:
                 torch.set_num_threads(self.model.backend.torch_threads)
             self._threads_set = True
         if inp.graphs is not None:  # a decode: every row samples, in order
-            logits, samples = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len,
-                                                inp.graph_sampler)
-            n = len(inp.sampling_requests)
-            if samples is not None:
-                samples = SamplerOutput(samples.token_ids[:n], samples.logprobs[:n],
-                                        samples.top_token_ids[:n], samples.top_logprobs[:n])
+            logits = inp.graphs.replay(inp.graph_bucket, inp.meta.max_seq_len)
             if inp.graphs.tokens_per_row == 1:
-                return logits[:n], samples
-            return logits[inp.logits_indices], None  # each row's tokens, drafts and all
+                return logits[:len(inp.sampling_requests)]
+            return logits[inp.logits_indices]  # each row's tokens, drafts and all
         forward = self.model.forward if inp.pieces is None else inp.pieces.forward
         hidden = forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         for req, row, lo, hi in inp.prompt_logprob_rows:
             req.prompt_logprob_entries += self._prompt_logprobs(hidden[row:row + hi - lo],
                                                                 req, lo, hi)
         if not inp.sampling_requests:
-            return None, None
-        return self.model.compute_logits(hidden[inp.logits_indices]), None
+            return None
+        return self.model.compute_logits(hidden[inp.logits_indices])
+
+    def sample_in_graphs(self, inp: ModelInput, columns: SamplerColumns
+                         ) -> SamplerOutput | None:
+        """The step's samples from the decode graphs' sampler, after the forward it replayed,
+        where one takes its rows' columns; None where not (the caller samples eagerly)."""
+        graphs = inp.graphs
+        if graphs is None or not graphs.sample or not columns.fit_graphs(WINDOW):
+            return None
+        fill = None
+        if columns.fills is not None:  # tokens in flight, into their windows on the device
+            def fill(window: torch.Tensor) -> None:
+                fill_in_flight(window, self.scatter_staging.send(*columns.fills),
+                               columns.in_flight)
+        out = graphs.sample_rows(inp.graph_bucket, inp.meta.max_seq_len, columns.columns[:9],
+                                 columns.window, fill)
+        n = len(inp.sampling_requests)
+        return SamplerOutput(out.token_ids[:n], out.logprobs[:n], out.top_token_ids[:n],
+                             out.top_logprobs[:n])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, lo: int, hi: int
                          ) -> list[TokenLogprob]:

@@ -99,6 +99,42 @@ class StaticInputs:
             self._read.record()
 
 
+class StepInputs(StaticInputs):
+    """A step's arrays where the CUDA graphs read them: the tokens' (ids, positions, slots,
+    logits rows) for up to num_tokens, the sequences' (lengths, starts, block tables) for up
+    to num_seqs; the block tables last, so a send stops at the step's rows of them."""
+
+    def __init__(self, device: torch.device | str, num_tokens: int, num_seqs: int,
+                 max_blocks: int):
+        T, S = num_tokens, num_seqs
+        super().__init__(device, [
+            ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
+            ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
+            ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
+            ("block_tables", torch.int32, (S, max_blocks))])
+
+    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+              query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+              logits_indices: np.ndarray) -> list[torch.Tensor]:
+        """The arrays -> the tensors holding them (in this order), sent in one copy. Stale
+        block-table columns past this step's width are never read: a row reads only the
+        blocks its seq_len covers."""
+        T, S = len(input_ids), len(seq_lens)
+        host, t = self.host(), self.tensors
+        host["input_ids"][:T] = input_ids
+        host["positions"][:T] = positions
+        host["slot_mapping"][:T] = slot_mapping
+        host["logits_indices"][:len(logits_indices)] = logits_indices
+        host["seq_lens"][:S] = seq_lens
+        host["query_start_loc"][:S + 1] = query_start_loc
+        host["block_tables"][:S, :block_tables.shape[1]] = block_tables
+        self.send("block_tables", t["block_tables"][:S].nbytes)
+        return [t["input_ids"][:T], t["positions"][:T], t["slot_mapping"][:T],
+                t["query_start_loc"][:S + 1], t["seq_lens"][:S],
+                t["block_tables"][:S, :block_tables.shape[1]],
+                t["logits_indices"][:len(logits_indices)]]
+
+
 # The sampler's per-row columns (Sampler.columns' first nine), and what a row that samples
 # nothing takes: greedy, every filter and penalty off.
 SAMPLER_FIELDS = (("temperature", torch.float32, 0.0), ("top_k", torch.int32, 0),
@@ -109,47 +145,31 @@ SAMPLER_FIELDS = (("temperature", torch.float32, 0.0), ("top_k", torch.int32, 0)
                   ("offsets", torch.int64, 0))
 
 
-class StepInputs(StaticInputs):
-    """A step's arrays where the CUDA graphs read them: the tokens' (ids, positions, slots,
-    logits rows) for up to num_tokens, the sequences' (lengths, starts, the sampler's
-    columns where asked, block tables) for up to num_seqs; the block tables last, so a send
-    stops at the step's rows of them."""
+class SamplerInputs(StaticInputs):
+    """The sampler's columns where a CUDA graph's sampler reads them, for up to num_rows
+    rows, and their penalty windows (window_width columns, -1 padded) last, so a step without
+    windows sends the columns alone."""
 
-    def __init__(self, device: torch.device | str, num_tokens: int, num_seqs: int,
-                 max_blocks: int, sampler_columns: bool = False):
-        T, S = num_tokens, num_seqs
-        sampler = SAMPLER_FIELDS if sampler_columns else ()
-        super().__init__(device, [
-            ("input_ids", torch.int64, (T,)), ("positions", torch.int64, (T,)),
-            ("slot_mapping", torch.int64, (T,)), ("logits_indices", torch.int64, (T,)),
-            ("seq_lens", torch.int32, (S,)), ("query_start_loc", torch.int32, (S + 1,)),
-            *[(name, dtype, (S,)) for name, dtype, _ in sampler],
-            ("block_tables", torch.int32, (S, max_blocks))])
+    def __init__(self, device: torch.device | str, num_rows: int, window_width: int):
+        super().__init__(device, [(name, dtype, (num_rows,))
+                                  for name, dtype, _ in SAMPLER_FIELDS]
+                         + [("window", torch.int64, (num_rows, window_width))])
+        self.window = self.tensors["window"]
+        self.window.fill_(-1)
 
-    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-              query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-              logits_indices: np.ndarray, sampler_columns: list[np.ndarray] | None = None,
-              sampler_rows: int = 0) -> list[torch.Tensor]:
-        """The arrays -> the tensors holding them (in this order), sent in one copy. Stale
-        block-table columns past this step's width are never read: a row reads only the
-        blocks its seq_len covers. sampler_columns: the step's rows' columns, the rows after
-        them up to sampler_rows sampling nothing."""
-        T, S = len(input_ids), len(seq_lens)
-        host, t = self.host(), self.tensors
-        host["input_ids"][:T] = input_ids
-        host["positions"][:T] = positions
-        host["slot_mapping"][:T] = slot_mapping
-        host["logits_indices"][:len(logits_indices)] = logits_indices
-        host["seq_lens"][:S] = seq_lens
-        host["query_start_loc"][:S + 1] = query_start_loc
-        if sampler_columns is not None:
-            n = len(sampler_columns[0])
-            for (name, _, idle), column in zip(SAMPLER_FIELDS, sampler_columns, strict=True):
-                host[name][:n] = column
-                host[name][n:sampler_rows] = idle
-        host["block_tables"][:S, :block_tables.shape[1]] = block_tables
-        self.send("block_tables", t["block_tables"][:S].nbytes)
-        return [t["input_ids"][:T], t["positions"][:T], t["slot_mapping"][:T],
-                t["query_start_loc"][:S + 1], t["seq_lens"][:S],
-                t["block_tables"][:S, :block_tables.shape[1]],
-                t["logits_indices"][:len(logits_indices)]]
+    def stage(self, columns: list[np.ndarray], rows: int, window: np.ndarray | None) -> None:
+        """The step's columns (SAMPLER_FIELDS' order) for its first rows, the rows after
+        them up to `rows` sampling nothing; where given, its windows ([rows, <= width]), the
+        rest of each -1. One copy."""
+        host, n = self.host(), len(columns[0])
+        for (name, _, idle), column in zip(SAMPLER_FIELDS, columns, strict=True):
+            host[name][:n] = column
+            host[name][n:rows] = idle
+        if window is None:
+            last = SAMPLER_FIELDS[-1][0]
+            self.send(last, self.tensors[last].nbytes)
+            return
+        w = window.shape[1]
+        host["window"][:n, :w] = window
+        host["window"][:n, w:] = host["window"][n:rows] = -1
+        self.send("window", self.window[:rows].nbytes)
