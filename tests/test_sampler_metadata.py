@@ -1,4 +1,4 @@
-"""Sampler.build_metadata's columns against a row-by-row construction of each: the server's
+"""Sampler.columns, as sent (Sampler.send), against a row-by-row construction of each: the server's
 draws in row order (one numpy call for many rows gives what a call per row gives), the
 penalty windows and the logit_bias padded, at a few rows (filled one by one) and at many
 (filled in one assignment)."""
@@ -14,6 +14,10 @@ from kiln.runtime.sampling.penalty_window import window_tokens
 from kiln.runtime.sampling.sampler import FEW_ROWS, Sampler
 
 VOCAB = 1000
+
+
+def _metadata(sampler: Sampler, requests: list[Request]):
+    return sampler.send(sampler.columns(requests, VOCAB))
 
 
 def _row(i: int) -> Request:
@@ -37,7 +41,7 @@ def _row(i: int) -> Request:
 @pytest.mark.parametrize("n", [5, FEW_ROWS + 12])
 def test_columns_are_built_row_by_row(n):
     requests = [_row(i) for i in range(n)]
-    md = Sampler(torch.device("cpu"), use_triton=False, seed=7).build_metadata(requests, VOCAB)
+    md = _metadata(Sampler(torch.device("cpu"), use_triton=False, seed=7), requests)
     server = np.random.default_rng(7)
     seeds = [r.sampling.seed if r.sampling.seed is not None else
              0 if r.sampling.is_greedy else int(server.integers(0, 2**63 - 1))
@@ -90,7 +94,7 @@ def test_rows_carried_across_steps_give_what_a_fresh_build_gives():
     for step in range(30):
         fresh = Sampler(torch.device("cpu"), use_triton=False)
         fresh.server_rng = copy.deepcopy(carried.server_rng)
-        _same_columns(carried.build_metadata(batch, VOCAB), fresh.build_metadata(batch, VOCAB))
+        _same_columns(_metadata(carried, batch), _metadata(fresh, batch))
         for r in batch:
             for _ in range(1 + (step % 3 == 0 and r.request_id.endswith("1"))):
                 r.append_output_token(int(rng.integers(0, VOCAB)))
@@ -110,7 +114,7 @@ def test_carried_rows_sample_the_same_tokens():
     for _ in range(5):
         fresh = Sampler(torch.device("cpu"), use_triton=False)
         fresh.server_rng = __import__("copy").deepcopy(carried.server_rng)
-        a, b = carried(logits, pool), fresh(logits, pool)
+        a, b = (s.run(logits, s.columns(pool, VOCAB)) for s in (carried, fresh))
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)
         for r, t in zip(pool, a.token_ids.tolist()):
             r.append_output_token(t)

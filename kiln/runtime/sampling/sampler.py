@@ -38,11 +38,6 @@ class Sampler:
         self._turn = 0
         self.cpu_draw = cpu_draw_for(device, use_triton)
 
-    def build_metadata(self, requests: list[Request], vocab_size: int,
-                       in_flight: InFlightTokens | None = None) -> SamplingMetadata:
-        """The step's metadata on the device: `columns`, then `send`."""
-        return self.send(self.columns(requests, vocab_size, in_flight))
-
     def columns(self, requests: list[Request], vocab_size: int,
                 in_flight: InFlightTokens | None = None) -> SamplerColumns:
         """Every column built on the host; the batch flags come from the host-side settings,
@@ -158,10 +153,6 @@ class Sampler:
             packed[:, 0].astype(np.int64).tolist(), packed[:, 1].tolist(),
             packed[:, 2:2 + n].astype(np.int64).tolist() if n else [[]] * rows,
             packed[:, 2 + n:].tolist() if n else [[]] * rows)
-
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 in_flight: InFlightTokens | None = None) -> SamplerOutput:
-        return self.run(logits, self.columns(requests, logits.shape[-1], in_flight))
 
     def run(self, logits: torch.Tensor, cols: SamplerColumns) -> SamplerOutput:
         """The fused sampler (or its reference) on columns built for these rows."""
