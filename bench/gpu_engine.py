@@ -127,9 +127,9 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
                  f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
             if graphs:  # the same steps with the sampler's kernels launched eagerly
                 decode = engine.runner.graphs
-                decode.sample = False
+                decode.with_sampler = False
                 eager_ms = _step_ms(engine, steps)
-                decode.sample = True
+                decode.with_sampler = True
                 line(f"decode step {label} batch {B} {mode} sampler eager", eager_ms, "ms",
                      f"the sampler's graph (above): {eager_ms / ms:.2f}x faster")
             if graphs and invariant:  # kiln serve --async-scheduling, on the same batch

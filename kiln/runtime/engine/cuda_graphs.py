@@ -19,9 +19,9 @@ Two families, by the tokens a row brings:
   each, the last taking the rest: there is always a last, the one token past b * (1 + k)),
   so the launch's shape (tokens, sequences) is the bucket's whatever the drafts.
 
-Where `sample` is asked (the Triton path), each plain decode capture has the fused sampler
-(kernels/sampling.py) captured after it, on its logits, twice: on the rows' nine per-row
-columns, and on those and their penalty windows (WINDOW columns, -1 padded). They are
+Where `with_sampler` is asked (the Triton path), each plain decode capture has the fused
+sampler (kernels/sampling.py) captured after it, on its logits, twice: on the rows' nine
+per-row columns, and on those and their penalty windows (WINDOW columns, -1 padded). They are
 replayed after the forward, with the columns the host built while the forward ran, staged in
 one copy (padding rows greedy, every filter off). A step whose rows ask for nothing else -
 no logit_bias, grammar, top logprobs or window wider than WINDOW: most steps, the
@@ -57,11 +57,11 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, ctx_len: int, block_size: int,
-                 device: torch.device, tokens_per_row: int = 1, sample: bool = False):
-        """sample: plain decode buckets' samplers captured too (the Triton path)."""
+                 device: torch.device, tokens_per_row: int = 1, with_sampler: bool = False):
+        """with_sampler: plain decode buckets' samplers captured too (the Triton path)."""
         self.model, self.kv_caches, self.ctx_len = model, kv_caches, ctx_len
         self.tokens_per_row = tokens_per_row
-        self.sample = sample and tokens_per_row == 1
+        self.with_sampler = with_sampler and tokens_per_row == 1
         self.sizes = bucket_sizes(max_num_seqs)
         T, S = self.shape(self.sizes[-1])
         max_blocks = -(-ctx_len // block_size)
@@ -81,8 +81,8 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._logits: torch.Tensor | None = None  # the last replay's, all its rows
         # The samplers: with the rows' values ("plain"), and with their windows too
-        self.variants = ("plain", "penalties") if self.sample else ()
-        self.sampler_inputs = SamplerInputs(device, S, WINDOW) if self.sample else None
+        self.variants = ("plain", "penalties") if self.with_sampler else ()
+        self.sampler_inputs = SamplerInputs(device, S, WINDOW) if self.with_sampler else None
         # The samples, outside the graphs' pool: a row's token in flight (--async-scheduling)
         # is read into the next step's penalty window after that step's forward has replayed,
         # which may write over the pool's memory (capture's docstring).

@@ -66,7 +66,7 @@ class ModelRunner:
         if config.cuda_graphs:
             args = (model, self.kv_caches, config.max_num_seqs, config.ctx_len,
                     config.block_size, self.device)
-            self.graphs = DecodeGraphs(*args, sample=config.use_triton)
+            self.graphs = DecodeGraphs(*args, with_sampler=config.use_triton)
             self.pieces = PiecewiseGraphs(*args, max_tokens=config.token_budget)
             if config.speculative is not None:  # rows of 1 + their drafts
                 self.spec_graphs = DecodeGraphs(
@@ -201,7 +201,7 @@ class ModelRunner:
         """The step's samples from the decode graphs' sampler, after the forward it replayed,
         where one takes its rows' columns; None where not (the caller samples eagerly)."""
         graphs = inp.graphs
-        if graphs is None or not graphs.sample or not columns.fit_graphs(WINDOW):
+        if graphs is None or not graphs.with_sampler or not columns.fit_graphs(WINDOW):
             return None
         fill = None
         if columns.fills is not None:  # tokens in flight, into their windows on the device
