@@ -38,6 +38,7 @@ def test_the_gpu_paths_products_are_named():
     plain = DenseBackend("cpu", torch.bfloat16, use_triton=True)
     assert invariant.numerics.endswith(", batch-invariant products")
     assert plain.numerics != invariant.numerics
+    assert "attention tiles of 16 rows" in plain.numerics  # a GPU's bits follow the height
     assert DenseBackend("cpu", torch.float16, use_triton=True, batch_invariant=True).numerics \
         != invariant.numerics
     with pytest.raises(ValueError, match="use_triton"):

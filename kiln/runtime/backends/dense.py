@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.activation import act_mul, act_mul_ref
-from kiln.kernels.attention import paged_attention
+from kiln.kernels.attention import TILE_ROWS, paged_attention
 from kiln.kernels.attention_ref import paged_attention_ref
 from kiln.kernels.kv_cache import rope_store_kvcache, rope_store_kvcache_ref
 from kiln.kernels.matmul import matmul
@@ -62,13 +62,14 @@ class DenseBackend:
     @property
     def numerics(self) -> str:
         """What decides a reply's bits: torch's (and cuBLAS's) version and the device; the
-        Triton kernels' version where they run."""
+        Triton kernels' version and attention's tile height where they run."""
         where = str(self.device)
         if self.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.device)
             where += f" ({torch.cuda.get_device_name(self.device)}, sm_{major}{minor}, " \
                 f"CUDA {torch.version.cuda})"
-        kernels = f", triton {triton.__version__}" if self.use_triton else ""
+        kernels = f", triton {triton.__version__}, attention tiles of {TILE_ROWS} rows" \
+            if self.use_triton else ""
         products = ", batch-invariant products" if self.batch_invariant else ""
         return f"dense: torch {torch.__version__} {str(self.dtype)[6:]} on {where}{kernels}" \
             f"{products}"
