@@ -224,8 +224,7 @@ def test_drafted_rows_decode_through_graph_buckets_of_their_own(engines):
                                      for rid, p in prompts.items()})
     graphs, shapes = engine.runner.spec_graphs, []
     stage = graphs.stage  # (bucket, the padded step's tokens)
-    graphs.stage = lambda b, ids, *args, **kw: shapes.append((b, len(ids))) or \
-        stage(b, ids, *args, **kw)
+    graphs.stage = lambda b, ids, *args: shapes.append((b, len(ids))) or stage(b, ids, *args)
     reqs = [make_request(engine, rid, p, SamplingParams(temperature=0.0), max_tokens=12,
                          ignore_eos=True) for rid, p in prompts.items()]
     assert run_to_completion(engine, reqs) == want
