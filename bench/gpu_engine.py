@@ -125,7 +125,7 @@ def time_engine(loaded: LoadedModel, device: str, dry: bool, line, label: str, b
             line(f"decode step {label} batch {B} {mode}", ms, "ms",
                  f"{B / ms * 1000:.0f} tok/s; host syncs in a step: {syncs}; prefill "
                  f"{B} x {length} in {prefill_s * 1000:.0f} ms{again}")
-            if graphs:  # the same steps with the sampler's kernels launched eagerly
+            if graphs and invariant:  # the same steps, the sampler's kernels launched eagerly
                 decode = engine.runner.graphs
                 decode.with_sampler = False
                 eager_ms = _step_ms(engine, steps)
