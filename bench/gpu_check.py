@@ -56,7 +56,7 @@ from bench.gpu_sampler import (  # noqa: E402
     torch_sort_sampler,
 )
 from bench.gpu_serving import check_serving  # noqa: E402
-from kiln.kernels.attention import paged_attention  # noqa: E402
+from kiln.kernels.attention import TILE_ROWS, paged_attention  # noqa: E402
 from kiln.kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kiln.kernels.sampling import sample  # noqa: E402
 from kiln.runtime.backends.dense import DenseBackend  # noqa: E402
@@ -230,8 +230,9 @@ def check_attention(device: str) -> None:
         line(f"attention {name} vs reference: max abs err", err, "",
              "ok" if err < tol else f"FAIL (>= {tol})")
         if query_len == 1:  # decode steps take a program per sequence: the same bits
-            for rows in (16, 64):  # kiln's tiles, and a warpgroup's (gpu_prefill.py)
-                general = paged_attention(*args, scale=0.125, max_seq_len=seq_len, rows=rows)
+            for rows in (TILE_ROWS, 64):  # kiln's tiles, and a warpgroup's (gpu_prefill.py)
+                general = out if rows == TILE_ROWS else paged_attention(
+                    *args, scale=0.125, max_seq_len=seq_len, rows=rows)
                 same = torch.equal(general, paged_attention(
                     *args, scale=0.125, max_seq_len=seq_len, max_query_len=1, rows=rows))
                 line(f"attention {name}: decode grid bits equal the general grid's, "

@@ -202,9 +202,9 @@ class DecodeGraphs:
         self.sampler_inputs.stage(columns, b, window)
         if fill is not None:
             fill(self.sampler_inputs.window)
-        variant = "plain" if window is None else "penalties"
-        graph = self.sampler_graphs.get((b, self.span(max_seq_len), variant))
+        key = (b, self.span(max_seq_len), "plain" if window is None else "penalties")
+        graph = self.sampler_graphs.get(key)
         if graph is None:  # (no CUDA) eagerly, on the padded rows as captured
-            return self._sample(self._logits, b, variant)
+            return self._sample(self._logits, b, key[2])
         graph.replay()
-        return self.sampled[b, self.span(max_seq_len), variant]
+        return self.sampled[key]
